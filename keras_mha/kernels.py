@@ -1,0 +1,229 @@
+"""Attention itself, on projected heads: explicit (with scores), fused, chunked.
+
+All three compute `softmax(q k^T * scale, masked) v` with the same conventions:
+
+- inputs are projected tensors, query `(B, T, N, H)`, key `(B, S, N, H)`,
+  value `(B, S, N, Hv)` (the explicit kernel also takes N-d attention layouts);
+- `mask` is boolean, `True` = may attend, already broadcastable to the scores;
+- a query row with no key to attend to gets zero weights, hence a zero context,
+  finite outputs and finite gradients, on every implementation;
+- the softmax runs in float32 whatever the compute dtype.
+
+Which one runs is a separate decision, made by `choose_implementation`.
+"""
+
+from keras import backend, ops
+
+from keras_mha import masks as masks_lib
+
+IMPLEMENTATIONS = ("explicit", "fused", "chunked")
+
+# Below this many query-key pairs per (batch, head) the full score matrix is cheap.
+CHUNK_THRESHOLD = 2048 * 2048
+DEFAULT_CHUNK_SIZE = 512
+_MASKED_LOGIT = -1e9
+
+
+def choose_implementation(
+    requested,
+    *,
+    need_weights,
+    dropout_active,
+    projected_rank,
+    same_head_dims,
+    query_length,
+    key_length,
+):
+    """Picks the kernel for one call.
+
+    Args:
+        requested: `None`/"auto", or one of `IMPLEMENTATIONS`.
+        need_weights: the caller asked for the attention scores.
+        dropout_active: attention dropout applies in this call.
+        projected_rank: rank of the projected query; only rank 4 (one attention
+            axis) can use the fused or chunked kernels.
+        same_head_dims: key_dim == value_dim (JAX's fused kernel needs it).
+        query_length, key_length: static `T` and `S`, or `None` when unknown.
+
+    Returns:
+        One of `IMPLEMENTATIONS`. Scores, dropout and N-d attention always take the
+        explicit kernel, whatever was requested.
+    """
+    if need_weights or dropout_active or projected_rank != 4:
+        return "explicit"
+    lengths_known = query_length is not None and key_length is not None
+    if requested == "chunked":
+        return "chunked" if key_length is not None else "explicit"
+    if requested == "fused":
+        return "fused" if _fused_supported(same_head_dims) else "explicit"
+    if requested == "explicit":
+        return "explicit"
+    name = backend.backend()
+    if name == "torch":
+        return "fused"
+    if lengths_known and query_length * key_length >= CHUNK_THRESHOLD:
+        return "chunked"
+    if name == "jax" and same_head_dims:
+        return "fused"
+    return "explicit"
+
+
+def _fused_supported(same_head_dims):
+    return backend.backend() != "jax" or same_head_dims
+
+
+def attention_logits(query, key, equation):
+    """`einsum(equation, key, query)` in float32 where float16 could overflow."""
+    if "float16" == str(query.dtype).split(".")[-1]:
+        query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
+    return ops.cast(ops.einsum(equation, key, query), "float32")
+
+
+def masked_softmax(logits, mask, axes):
+    """Float32 softmax over `axes`; masked entries and key-less rows get weight 0."""
+    logits = ops.cast(logits, "float32")
+    if mask is not None:
+        logits = ops.where(mask, logits, _MASKED_LOGIT)
+    if len(axes) == 1:
+        weights = ops.softmax(logits, axis=axes[0])
+    else:
+        weights = ops.exp(logits - ops.logsumexp(logits, axis=axes, keepdims=True))
+    if mask is not None:
+        weights = ops.where(mask, weights, 0.0)
+    return weights
+
+
+def explicit_attention(
+    query,
+    key,
+    value,
+    *,
+    scale,
+    dot_product_equation,
+    combine_equation,
+    num_attention_axes,
+    mask=None,
+    dropout=None,
+):
+    """Attention with the full score tensor; returns `(output, scores)`.
+
+    Args:
+        query: `(B, ..., N, H)` projected query (N-d attention layouts allowed).
+        key: projected key, same layout as the query along non-attention axes.
+        value: projected value, `(..., N, Hv)`.
+        scale: multiplies the query before the dot product (`1/sqrt(H)`).
+        dot_product_equation, combine_equation: from `equations.attention_equations`.
+        num_attention_axes: how many trailing score axes belong to the keys.
+        mask: boolean, broadcastable to the scores, or `None`.
+        dropout: callable applied to the scores before they weight the values.
+
+    Returns:
+        output `(B, ..., N, Hv)` and scores `(<batch dims>, <T dims>, <S dims>)`,
+        both in the query's dtype.
+    """
+    query = ops.multiply(query, ops.cast(scale, query.dtype))
+    logits = attention_logits(query, key, dot_product_equation)
+    axes = tuple(range(-num_attention_axes, 0))
+    scores = ops.cast(masked_softmax(logits, mask, axes), value.dtype)
+    weights = scores if dropout is None else dropout(scores)
+    output = ops.einsum(combine_equation, weights, value)
+    return output, scores
+
+
+def fused_attention(query, key, value, *, scale, mask=None, is_causal=False, flash=None):
+    """The backend's fused kernel (`keras.ops.dot_product_attention`); returns output.
+
+    Rows whose keys are all masked are handed to the kernel unmasked (so it never
+    sees an all-masked row, which some kernels turn into NaN) and zeroed after.
+
+    Args:
+        query: `(B, T, N, H)`; key: `(B, S, N, H)`; value: `(B, S, N, Hv)`.
+        mask: boolean, broadcastable to `(B, N, T, S)`, or `None`.
+        is_causal: causal masking inside the kernel (no mask tensor built).
+    """
+    valid = None
+    if mask is not None:
+        valid = masks_lib.rows_with_keys(mask, 1)
+        mask = ops.logical_or(mask, ops.logical_not(valid))
+    output = ops.dot_product_attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        scale=scale,
+        is_causal=is_causal,
+        flash_attention=flash,
+    )
+    if valid is not None:
+        output = ops.where(ops.transpose(valid, (0, 2, 1, 3)), output, 0.0)
+    return output
+
+
+def chunked_attention(
+    query,
+    key,
+    value,
+    *,
+    scale,
+    mask=None,
+    is_causal=False,
+    causal_offset=0,
+    chunk_size=DEFAULT_CHUNK_SIZE,
+):
+    """Online-softmax attention over key chunks: O(T * chunk) memory, no T x S tensor.
+
+    Same result as `explicit_attention` within float32 rounding. Needs a static `S`.
+
+    Args:
+        query: `(B, T, N, H)`; key: `(B, S, N, H)`; value: `(B, S, N, Hv)`.
+        mask: boolean, broadcastable to `(B, N, T, S)`, or `None`.
+        is_causal: apply a causal mask, generated chunk by chunk.
+        causal_offset: position of the first query (KV-cache decoding).
+        chunk_size: keys per chunk.
+
+    Returns:
+        output `(B, T, N, Hv)` in the value's dtype.
+    """
+    dtype = value.dtype
+    query = ops.multiply(query, ops.cast(scale, query.dtype))
+    query_length, key_length = query.shape[1], key.shape[1]
+    # Running max, normaliser and weighted sum, per (B, N, T).
+    running_max = None
+    normaliser = None
+    accumulator = None
+    for start in range(0, key_length, chunk_size):
+        stop = min(start + chunk_size, key_length)
+        logits = attention_logits(query, key[:, start:stop], "bsnh,btnh->bnts")
+        chunk_mask = _mask_chunk(mask, start, stop)
+        if is_causal:
+            causal = masks_lib.causal_mask(query_length, stop - start, causal_offset - start)
+            chunk_mask = masks_lib.logical_and(chunk_mask, ops.expand_dims(causal, 1))
+        if chunk_mask is not None:
+            logits = ops.where(chunk_mask, logits, _MASKED_LOGIT)
+        chunk_max = ops.stop_gradient(ops.max(logits, axis=-1, keepdims=True))
+        new_max = chunk_max if running_max is None else ops.maximum(running_max, chunk_max)
+        probs = ops.exp(logits - new_max)
+        if chunk_mask is not None:
+            probs = ops.where(chunk_mask, probs, 0.0)
+        values = ops.cast(value[:, start:stop], "float32")
+        partial = ops.einsum("bnts,bsnh->bnth", probs, values)
+        if running_max is None:
+            normaliser = ops.sum(probs, axis=-1, keepdims=True)
+            accumulator = partial
+        else:
+            correction = ops.exp(running_max - new_max)
+            normaliser = normaliser * correction + ops.sum(probs, axis=-1, keepdims=True)
+            accumulator = accumulator * correction + partial
+        running_max = new_max
+    has_keys = ops.greater(normaliser, 0.0)
+    output = accumulator / ops.where(has_keys, normaliser, 1.0)
+    output = ops.where(has_keys, output, 0.0)
+    return ops.cast(ops.transpose(output, (0, 2, 1, 3)), dtype)
+
+
+def _mask_chunk(mask, start, stop):
+    if mask is None:
+        return None
+    if mask.shape[-1] == 1:
+        return mask
+    return mask[..., start:stop]

@@ -1,0 +1,96 @@
+"""Runs the pytest suite once per Keras backend, each in its own process, then the
+notebooks. Prints one summary line per backend and fails when any backend fails, is
+not installed, or ran no test: no backend is ever skipped silently.
+
+    python tests/run_backends.py --backends tensorflow jax torch --notebook-backend jax
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOGS = ROOT / ".test-logs"
+
+
+def _backend_importable(backend):
+    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[backend]
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True
+    )
+    return probe.returncode == 0, probe.stderr.strip().splitlines()[-1:]
+
+
+def _run_pytest(label, backend, pytest_args):
+    LOGS.mkdir(exist_ok=True)
+    junit = LOGS / f"{label}.xml"
+    log = LOGS / f"{label}.log"
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONHASHSEED": "0"}
+    cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}", *pytest_args]
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=out).returncode
+    seconds = time.perf_counter() - start
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    if junit.exists():
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        total = int(suite.get("tests", 0))
+        failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped = int(suite.get("skipped", 0))
+        counts = {
+            "passed": total - failed - skipped,
+            "failed": failed,
+            "skipped": skipped,
+        }
+    ok = code == 0 and counts["passed"] > 0
+    verdict = "ok" if ok else ("ran no test" if counts["passed"] == 0 else "FAILED")
+    print(
+        f"{label:>22}: {counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['skipped']} skipped in {seconds:.0f}s  [{verdict}]  log: {log}",
+        flush=True,
+    )
+    if not ok:
+        tail = log.read_text().splitlines()[-40:]
+        print("\n".join("    " + line for line in tail), flush=True)
+    return ok, counts
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="*", default=["tensorflow", "jax", "torch"])
+    parser.add_argument("--notebook-backend", default="jax")
+    parser.add_argument("--no-notebooks", action="store_true")
+    args, extra = parser.parse_known_args()
+
+    all_ok = True
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    for backend in args.backends:
+        importable, why = _backend_importable(backend)
+        if not importable:
+            print(f"{backend:>22}: NOT INSTALLED ({' '.join(why)})  [FAILED]", flush=True)
+            all_ok = False
+            totals["failed"] += 1
+            continue
+        ok, counts = _run_pytest(backend, backend, ["-m", "not notebook", *extra])
+        all_ok &= ok
+        for key in totals:
+            totals[key] += counts[key]
+    if not args.no_notebooks:
+        label = f"notebooks[{args.notebook_backend}]"
+        ok, counts = _run_pytest(
+            label, args.notebook_backend, ["-m", "notebook", "tests/test_notebooks.py"]
+        )
+        all_ok &= ok
+        for key in totals:
+            totals[key] += counts[key]
+    print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
