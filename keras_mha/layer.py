@@ -11,7 +11,8 @@ import keras
 from keras import constraints, initializers, ops, regularizers
 from keras.layers import Dropout, EinsumDense
 
-from keras_mha import checks, equations, kernels
+from keras_mha import cache as cache_lib
+from keras_mha import checks, equations, kernels, norms
 from keras_mha import masks as masks_lib
 
 
@@ -70,6 +71,14 @@ class MultiHeadAttention(keras.layers.Layer):
             softmax over key chunks, no `(T, S)` tensor). Calls that return scores,
             apply dropout or use N-d attention always run "explicit".
         chunk_size: Keys per chunk of the "chunked" kernel.
+        num_key_value_heads: Grouped-query attention: number `Nkv` of key/value
+            heads, a divisor of `num_heads` (1 is multi-query attention); `None`
+            means `num_heads`. Key/value kernels are `(dim, Nkv, key_dim/value_dim)`
+            and each serves `num_heads / Nkv` adjacent query heads, as in
+            `keras.layers.GroupQueryAttention`, whose weights load with `set_weights`.
+        normalize_qk: QK-norm: RMS-normalise the projected queries and keys over the
+            head dimension, each with a learned `(key_dim,)` scale (weights
+            `query_norm/scale`, `key_norm/scale`, created after all the others).
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -85,11 +94,22 @@ class MultiHeadAttention(keras.layers.Layer):
             the constructor's value.
         training: Whether dropout applies.
         use_causal_mask: Query `t` attends only to keys `s <= t`.
+        cache: Optional KV cache `(B, 2, max_length, Nkv, key_dim)` (see
+            `init_cache`; needs `value_dim == key_dim` and `(B, T, dim)` inputs).
+            Attention then runs over the cache's `max_length` positions: masks over
+            keys (`value_mask`, `key_mask`, `attention_mask`) cover those positions.
+        cache_update_index: With a cache, where the new keys and values are written
+            (a Python int or a scalar integer tensor); queries sit at positions
+            `cache_update_index + t`, which the causal and window masks follow, so
+            with `use_causal_mask=True` unwritten positions are never attended. Without
+            causal masking, pass an `attention_mask` that hides them. `None` uses the
+            cache as it is (e.g. cross-attention over a precomputed cache).
 
     Returns:
         output: `(B, T, dim)`, or `(B, T) + output_shape` when given.
         scores: (if requested) `(B, N, T, S)`; for N-d attention
             `(B, <other axes>, N, <query attention axes>, <key attention axes>)`.
+        cache: (if a cache is given) the updated cache, last in the returned tuple.
 
     FAQ, on conventions that confuse people:
 
@@ -131,9 +151,21 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_scores=False,
         implementation=None,
         chunk_size=kernels.DEFAULT_CHUNK_SIZE,
+        num_key_value_heads=None,
+        normalize_qk=False,
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
+        num_key_value_heads = checks.positive_int(
+            "num_key_value_heads", num_key_value_heads, allow_none=True
+        )
+        if num_key_value_heads is not None and num_heads % num_key_value_heads:
+            raise checks.invalid(
+                "num_key_value_heads",
+                f"a divisor of num_heads={num_heads}",
+                num_key_value_heads,
+            )
+        normalize_qk = checks.boolean("normalize_qk", normalize_qk)
         key_dim = checks.positive_int("key_dim", key_dim)
         value_dim = checks.positive_int("value_dim", value_dim, allow_none=True)
         dropout = checks.rate("dropout", dropout)
@@ -173,6 +205,8 @@ class MultiHeadAttention(keras.layers.Layer):
         self._return_attention_scores = return_attention_scores
         self._implementation = implementation
         self._chunk_size = chunk_size
+        self._num_key_value_heads = num_key_value_heads or num_heads
+        self._normalize_qk = normalize_qk
         self._inverse_sqrt_key_dim = 1.0 / math.sqrt(float(self._key_dim))
 
     # ------------------------------------------------------------------ properties
@@ -187,6 +221,10 @@ class MultiHeadAttention(keras.layers.Layer):
     @property
     def value_dim(self):
         return self._value_dim
+
+    @property
+    def num_key_value_heads(self):
+        return self._num_key_value_heads
 
     @property
     def dropout(self):
@@ -240,6 +278,8 @@ class MultiHeadAttention(keras.layers.Layer):
             "return_attention_scores": self._return_attention_scores,
             "implementation": self._implementation,
             "chunk_size": self._chunk_size,
+            "num_key_value_heads": self._num_key_value_heads,
+            "normalize_qk": self._normalize_qk,
         }
         return {**super().get_config(), **config}
 
@@ -261,14 +301,15 @@ class MultiHeadAttention(keras.layers.Layer):
 
         self._query_dense = self._projection(rank, self._num_heads, self._key_dim, "query")
         self._query_dense.build(query_shape)
-        self._key_dense = self._projection(rank, self._num_heads, self._key_dim, "key")
+        kv_heads = self._num_key_value_heads
+        self._key_dense = self._projection(rank, kv_heads, self._key_dim, "key")
         self._key_dense.build(key_shape)
         if self._use_gate:
             self._gate_dense = self._projection(
                 rank, self._num_heads, self._value_dim, "gate", activation="sigmoid"
             )
             self._gate_dense.build(query_shape)
-        self._value_dense = self._projection(rank, self._num_heads, self._value_dim, "value")
+        self._value_dense = self._projection(rank, kv_heads, self._value_dim, "value")
         self._value_dense.build(value_shape)
 
         self._attention_axes = normalized_axes
@@ -292,6 +333,12 @@ class MultiHeadAttention(keras.layers.Layer):
             **self._sublayer_kwargs(),
         )
         self._output_dense.build(tuple(query_shape[:-1]) + (self._num_heads, self._value_dim))
+        if self._normalize_qk:
+            # Created last, so the first weights stay those of the built-in layer.
+            self._query_norm = norms.RMSNorm(name="query_norm", dtype=self.dtype_policy)
+            self._query_norm.build((None, self._key_dim))
+            self._key_norm = norms.RMSNorm(name="key_norm", dtype=self.dtype_policy)
+            self._key_norm.build((None, self._key_dim))
         self._built_shapes = (query_shape, value_shape, key_shape)
 
     def _projection(self, rank, heads, size, name, activation=None):
@@ -337,19 +384,43 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_scores=None,
         training=None,
         use_causal_mask=False,
+        cache=None,
+        cache_update_index=None,
     ):
         if key is None:
             key = value
         if query_mask is None:
             query_mask = masks_lib.get_keras_mask(query)
         need_scores = self._wants_scores(return_attention_scores)
-        self._check_call(query, value, key, query_mask, value_mask, key_mask, attention_mask)
+        cache_update_index = self._check_cache(query, cache, cache_update_index)
+        self._check_call(
+            query,
+            value,
+            key,
+            query_mask,
+            value_mask,
+            key_mask,
+            attention_mask,
+            key_length=None if cache is None else cache.shape[2],
+        )
 
         projected_query, projected_key, projected_value, gate = self._project(query, key, value)
+        if self._normalize_qk:
+            projected_query = self._query_norm(projected_query)
+            projected_key = self._key_norm(projected_key)
+        if cache is not None:
+            if cache_update_index is not None:
+                cache = cache_lib.update(cache, projected_key, projected_value, cache_update_index)
+            projected_key, projected_value = cache_lib.split(cache)
+        projected_key, projected_value = self._repeat_key_value_heads(
+            projected_key, projected_value
+        )
+        # Decoding: the new queries sit at `cache_update_index ...` in the cache.
+        offset = {} if cache_update_index is None else {"query_offset": cache_update_index}
         overridden = type(self)._compute_attention is not MultiHeadAttention._compute_attention
         mask = self._compute_attention_mask(
             query,
-            value,
+            value if cache is None else projected_key,
             query_mask=query_mask,
             value_mask=value_mask,
             key_mask=key_mask,
@@ -358,8 +429,9 @@ class MultiHeadAttention(keras.layers.Layer):
             # can apply it without building a (T, S) mask; an override written for
             # the built-in receives it merged into the mask, as it expects.
             use_causal_mask=use_causal_mask and overridden,
+            **offset,
         )
-        extra = {"use_causal_mask": True} if use_causal_mask and not overridden else {}
+        extra = {"use_causal_mask": True, **offset} if use_causal_mask and not overridden else {}
         attention_output, scores = self._compute_attention(
             projected_query,
             projected_key,
@@ -374,7 +446,56 @@ class MultiHeadAttention(keras.layers.Layer):
         output = self._output_dense(attention_output)
         if query_mask is not None:
             masks_lib.set_keras_mask(output, query_mask)
+        if cache is not None:
+            return (output, scores, cache) if need_scores else (output, cache)
         return (output, scores) if need_scores else output
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        """An empty KV cache `(batch_size, 2, max_length, num_key_value_heads, key_dim)`.
+
+        Zeros in `dtype` (default: the layer's compute dtype), for the `cache`
+        call argument; needs `value_dim == key_dim`.
+        """
+        cache_lib.check_layout(self._value_dim, self._key_dim)
+        return cache_lib.init(
+            batch_size,
+            max_length,
+            self._num_key_value_heads,
+            self._key_dim,
+            dtype or self.compute_dtype,
+        )
+
+    def _check_cache(self, query, cache, cache_update_index):
+        """Validates the cache arguments; returns the index as an int or int32 tensor."""
+        if cache is None:
+            if cache_update_index is not None:
+                raise checks.invalid(
+                    "cache_update_index", "`None` when no `cache` is given", cache_update_index
+                )
+            return None
+        cache_lib.check_layout(self._value_dim, self._key_dim)
+        cache_lib.validate(
+            cache,
+            query_shape=tuple(query.shape),
+            num_key_value_heads=self._num_key_value_heads,
+            key_dim=self._key_dim,
+            index_given=cache_update_index is not None,
+        )
+        if len(self._attention_axes) != 1:
+            raise checks.invalid(
+                "attention_axes", "a single attention axis to use a cache", self._attention_axes
+            )
+        if cache_update_index is None:
+            return None
+        return cache_lib.as_index(cache_update_index)
+
+    def _repeat_key_value_heads(self, key, value):
+        """Grouped-query attention: each key/value head serves `N / Nkv` adjacent
+        query heads (`keras.layers.GroupQueryAttention`'s convention)."""
+        repeats = self._num_heads // self._num_key_value_heads
+        if repeats == 1:
+            return key, value
+        return ops.repeat(key, repeats, axis=-2), ops.repeat(value, repeats, axis=-2)
 
     def _wants_scores(self, return_attention_scores):
         if return_attention_scores is None:
@@ -404,7 +525,10 @@ class MultiHeadAttention(keras.layers.Layer):
                     masks_lib.set_keras_mask(x, mask)
         return (*projected, gate)
 
-    def _check_call(self, query, value, key, query_mask, value_mask, key_mask, mask):
+    def _check_call(
+        self, query, value, key, query_mask, value_mask, key_mask, mask, key_length=None
+    ):
+        """`key_length`: with a cache, keys are its `max_length` positions, not `value`'s."""
         checks.input_shapes(query.shape, value.shape, key.shape)
         built_query, built_value, built_key = self._built_shapes
         for name, tensor, built in (
@@ -422,9 +546,12 @@ class MultiHeadAttention(keras.layers.Layer):
         batch = (query.shape[0],)
         query_dims = tuple(query.shape[a] for a in axes)
         key_dims = tuple(value.shape[a] for a in axes)
+        value_dims, key_input_dims = tuple(value.shape[1:-1]), tuple(key.shape[1:-1])
+        if key_length is not None:
+            key_dims = value_dims = key_input_dims = (key_length,)
         checks.mask("query_mask", query_mask, batch + tuple(query.shape[1:-1]))
-        checks.mask("value_mask", value_mask, batch + tuple(value.shape[1:-1]))
-        checks.mask("key_mask", key_mask, batch + tuple(key.shape[1:-1]))
+        checks.mask("value_mask", value_mask, batch + value_dims)
+        checks.mask("key_mask", key_mask, batch + key_input_dims)
         extra = tuple(query.shape[i] for i in range(1, len(query.shape) - 1) if i not in axes)
         checks.mask("attention_mask", mask, batch + extra + query_dims + key_dims)
 
@@ -438,6 +565,7 @@ class MultiHeadAttention(keras.layers.Layer):
         key_mask=None,
         attention_mask=None,
         use_causal_mask=False,
+        query_offset=None,
     ):
         """Merges the Keras masks, `attention_mask`, causal and window masks.
 
@@ -446,6 +574,8 @@ class MultiHeadAttention(keras.layers.Layer):
             query_mask: `(B, T)`; value_mask, key_mask: `(B, S)`.
             attention_mask: broadcastable to `(B, T, S)`.
             use_causal_mask: AND a causal mask.
+            query_offset: position of the first query among the keys (KV-cache
+                decoding), for the causal and window masks; `None` means 0.
 
         Returns:
             A boolean `(B or 1, T, S)` mask, or `None` when nothing is masked.
@@ -459,12 +589,14 @@ class MultiHeadAttention(keras.layers.Layer):
             attention_mask=attention_mask,
             use_causal_mask=use_causal_mask,
             sliding_window=self._sliding_window,
+            offset=0 if query_offset is None else query_offset,
         )
 
-    def _compute_causal_mask(self, query, value=None):
+    def _compute_causal_mask(self, query, value=None, query_offset=None):
         """`(1, T, S)` causal mask for `query` `(B, T, ...)`, `value` `(B, S, ...)`."""
         key_length = ops.shape(query if value is None else value)[1]
-        return masks_lib.causal_mask(ops.shape(query)[1], key_length)
+        offset = 0 if query_offset is None else query_offset
+        return masks_lib.causal_mask(ops.shape(query)[1], key_length, offset)
 
     def _masked_softmax(self, attention_scores, attention_mask=None):
         """Softmax over the key axes (float32 inside), masked as the built-in does."""
@@ -486,6 +618,7 @@ class MultiHeadAttention(keras.layers.Layer):
         training=None,
         return_attention_scores=False,
         use_causal_mask=False,
+        query_offset=None,
     ):
         """Attention over projected heads: the documented override point.
 
@@ -497,6 +630,8 @@ class MultiHeadAttention(keras.layers.Layer):
             training: Whether dropout applies.
             return_attention_scores: Whether to compute and return the scores.
             use_causal_mask: AND a causal mask (applied inside the kernel).
+            query_offset: position of the first query among the keys (KV-cache
+                decoding) for the causal mask; `None` means 0.
 
         Returns:
             `(attention_output, attention_scores)`: `(B, T, N, value_dim)` and
@@ -524,15 +659,16 @@ class MultiHeadAttention(keras.layers.Layer):
                 scale=self._inverse_sqrt_key_dim,
                 mask=mask,
                 is_causal=use_causal_mask,
+                causal_offset=0 if query_offset is None else query_offset,
                 chunk_size=self._chunk_size,
             )
             return output, None
         if implementation == "fused":
-            causal_only = use_causal_mask and mask is None
+            # The backend's `is_causal` knows no offset: decoding builds the mask.
+            causal_only = use_causal_mask and mask is None and query_offset is None
             if use_causal_mask and not causal_only:
-                mask = ops.logical_and(
-                    mask, ops.expand_dims(self._compute_causal_mask(query, key), 1)
-                )
+                causal = ops.expand_dims(self._compute_causal_mask(query, key, query_offset), 1)
+                mask = causal if mask is None else ops.logical_and(mask, causal)
             output = kernels.fused_attention(
                 query,
                 key,
@@ -545,7 +681,7 @@ class MultiHeadAttention(keras.layers.Layer):
             return output, None
         if use_causal_mask:
             causal = masks_lib.expand_to_scores(
-                self._compute_causal_mask(query, key), scores_rank, num_axes
+                self._compute_causal_mask(query, key, query_offset), scores_rank, num_axes
             )
             mask = causal if mask is None else ops.logical_and(mask, causal)
         return kernels.explicit_attention(
@@ -581,20 +717,24 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_scores=None,
         training=None,
         use_causal_mask=False,
+        cache=None,
+        cache_update_index=None,
     ):
         key_shape = None if key is None else key.shape
         output = keras.KerasTensor(
             self.compute_output_shape(query.shape, value.shape, key_shape),
             dtype=self.compute_dtype,
         )
+        cache_spec = () if cache is None else (keras.KerasTensor(cache.shape, cache.dtype),)
         if not self._wants_scores(return_attention_scores):
-            return output
+            return (output, *cache_spec) if cache_spec else output
         rank = len(query.shape)
         axes = checks.attention_axes_for_rank(self._attention_axes, rank)
         heads = (self._num_heads, self._key_dim)
+        key_positions = tuple((value if key is None else key).shape[:-1])
+        if cache is not None:
+            key_positions = (query.shape[0], cache.shape[2])
         scores = equations.scores_shape(
-            tuple(query.shape[:-1]) + heads,
-            tuple((value if key is None else key).shape[:-1]) + heads,
-            axes,
+            tuple(query.shape[:-1]) + heads, key_positions + heads, axes
         )
-        return output, keras.KerasTensor(scores, dtype=self.compute_dtype)
+        return (output, keras.KerasTensor(scores, dtype=self.compute_dtype), *cache_spec)
