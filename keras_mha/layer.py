@@ -254,6 +254,15 @@ class MultiHeadAttention(keras.layers.Layer):
     def output_dense(self):
         return self._output_dense
 
+    def __dir__(self):
+        # Each projection is reachable as `query_dense` and `_query_dense`. Keras's
+        # loader walks `dir()`: after a failed load it revisits the private alias
+        # with an empty store and reports "received 0 variables" instead of the
+        # real shape mismatch. Listing each sublayer once keeps the real error.
+        names = super().__dir__()
+        public = set(names)
+        return [n for n in names if not (n.startswith("_") and n[1:] in public)]
+
     # ---------------------------------------------------------------------- config
     def get_config(self):
         config = {
