@@ -1,0 +1,248 @@
+"""Shared test utilities: a float64 NumPy reference of multi-head attention, a builder
+of (ours, built-in) layer pairs with the same weights, and a backend-dispatching
+gradient helper.
+
+Everything here works on the tensorflow, jax and torch backends and takes / returns
+NumPy arrays, so tests can compare results without knowing the backend.
+"""
+
+import keras
+import numpy as np
+
+import keras_mha
+
+BACKEND = keras.backend.backend()
+
+
+# ----------------------------------------------------------------------------- NumPy
+def softmax_with_mask(logits, mask=None, axes=(-1,)):
+    """Float64 softmax over `axes`; masked entries get 0, fully-masked rows all 0.
+
+    Args:
+        logits: any shape.
+        mask: boolean, broadcastable to `logits`, `True` = may attend; or `None`.
+        axes: the axes normalised over.
+    """
+    logits = np.asarray(logits, np.float64)
+    if mask is not None:
+        mask = np.broadcast_to(np.asarray(mask, bool), logits.shape)
+        logits = np.where(mask, logits, -np.inf)
+    peak = np.max(logits, axis=axes, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    exp = np.exp(logits - peak)
+    total = np.sum(exp, axis=axes, keepdims=True)
+    return np.where(total > 0, exp / np.where(total > 0, total, 1.0), 0.0)
+
+
+def reference_attention(query, key, value, mask=None, attention_axes=None):
+    """Float64 `softmax(q k^T / sqrt(H), masked) v` on projected heads.
+
+    Args:
+        query: `(B, <dims>, N, H)`; key: `(B, <dims'>, N, H)`; value: `(B, <dims'>, N, Hv)`.
+        mask: boolean `(B or 1, <query attention dims>, <key attention dims>)`, or `None`.
+        attention_axes: non-negative projected axes attention runs over; `None` means
+            every axis between batch and heads.
+
+    Returns:
+        `(output, weights)`: output like the query with `Hv` channels, and weights in
+        the built-in layer's layout `(<other axes>, N, <query att dims>, <key att dims>)`.
+    """
+    query, key, value = (np.asarray(x, np.float64) for x in (query, key, value))
+    rank = query.ndim
+    axes = tuple(range(1, rank - 2)) if attention_axes is None else tuple(attention_axes)
+    others = tuple(i for i in range(rank - 1) if i not in axes)  # batch, free axes, heads
+
+    def flatten(x):  # -> (<others>, prod(att dims), channels)
+        moved = np.transpose(x, others + axes + (rank - 1,))
+        lead = moved.shape[: len(others)]
+        return moved.reshape(lead + (-1, x.shape[-1])), moved.shape[len(others) : -1]
+
+    q, q_dims = flatten(query)
+    k, k_dims = flatten(key)
+    v, _ = flatten(value)
+    logits = np.einsum("...th,...sh->...ts", q, k) / np.sqrt(query.shape[-1])
+    flat_mask = None
+    if mask is not None:
+        mask = np.asarray(mask, bool)
+        mask = mask.reshape(mask.shape[:1] + (int(np.prod(q_dims)), int(np.prod(k_dims))))
+        # Broadcast over the non-batch "other" axes (free axes and heads).
+        flat_mask = mask.reshape(mask.shape[:1] + (1,) * (len(others) - 1) + mask.shape[1:])
+    weights = softmax_with_mask(logits, flat_mask)
+    out = np.einsum("...ts,...sh->...th", weights, v)
+    lead = out.shape[: len(others)]
+    out = out.reshape(lead + q_dims + (v.shape[-1],))
+    # Back from (<others>, <att dims>, Hv) to the query's layout.
+    order = others + axes + (rank - 1,)
+    out = np.transpose(out, np.argsort(order))
+    weights = weights.reshape(lead + q_dims + k_dims)
+    return out, weights
+
+
+def layer_weights(layer):
+    """The layer's projection weights as float64 NumPy arrays, keyed by sublayer."""
+    names = ["query", "key", "value", "output"] + (["gate"] if _has_gate(layer) else [])
+    result = {}
+    for name in names:
+        dense = getattr(layer, f"_{name}_dense")
+        kernel = np.asarray(keras.ops.convert_to_numpy(dense.kernel), np.float64)
+        bias = None if dense.bias is None else keras.ops.convert_to_numpy(dense.bias)
+        result[name] = (kernel, None if bias is None else np.asarray(bias, np.float64))
+    return result
+
+
+def _has_gate(layer):
+    return getattr(layer, "_use_gate", False)
+
+
+def _project(x, kernel, bias, input_axes):
+    # Contract the trailing `input_axes` axes of x with the leading axes of kernel.
+    out = np.tensordot(x, kernel, axes=input_axes)
+    return out if bias is None else out + bias
+
+
+def reference_mha(
+    layer,
+    query,
+    value,
+    key=None,
+    mask=None,
+    use_causal_mask=False,
+    sliding_window=None,
+):
+    """Float64 NumPy forward pass of a built `MultiHeadAttention` (ours or built-in).
+
+    Args:
+        layer: the layer whose weights, `num_heads`, `attention_axes` and gate are used.
+        query: `(B, ..., dim)`; value, key: `(B, ..., dim_v)` of the same rank.
+        mask: boolean `(B or 1, <query att dims>, <key att dims>)` or `None`.
+        use_causal_mask, sliding_window: masks of 1-d attention, ANDed into `mask`.
+
+    Returns:
+        `(output, scores)` as float64 arrays; fully-masked rows have zero scores.
+    """
+    query, value = np.asarray(query, np.float64), np.asarray(value, np.float64)
+    key = value if key is None else np.asarray(key, np.float64)
+    w = layer_weights(layer)
+    q = _project(query, *w["query"], 1)
+    k = _project(key, *w["key"], 1)
+    v = _project(value, *w["value"], 1)
+    axes = layer.attention_axes
+    if use_causal_mask or sliding_window:
+        t, s = query.shape[1], key.shape[1]
+        rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
+        band = np.ones((1, t, s), bool)
+        if use_causal_mask:
+            band &= rows >= cols
+        if sliding_window:
+            band &= np.abs(rows - cols) < sliding_window
+        mask = band if mask is None else np.asarray(mask, bool) & band
+    context, scores = reference_attention(q, k, v, mask, axes)
+    if _has_gate(layer):
+        gate_kernel, gate_bias = w["gate"]
+        context = context / (1.0 + np.exp(-_project(query, gate_kernel, gate_bias, 1)))
+    out_kernel, out_bias = w["output"]
+    return _project(context, out_kernel, out_bias, 2), scores
+
+
+# --------------------------------------------------------------------------- layers
+def make_pair(config, query_shape, value_shape=None, key_shape=None, seed=0, copy="to_ours"):
+    """Builds ours and the built-in layer from one config, with identical weights.
+
+    Args:
+        config: constructor kwargs understood by both layers.
+        query_shape, value_shape, key_shape: build shapes (`value_shape` defaults
+            to `query_shape`).
+        seed: seeds the built-in's initialisation.
+        copy: "to_ours" copies the built-in's weights into ours, "to_builtin" the
+            reverse (then ours is the one seeded).
+
+    Returns:
+        `(ours, builtin)`, both built.
+    """
+    value_shape = query_shape if value_shape is None else value_shape
+    keras.utils.set_random_seed(seed)
+    ours = keras_mha.MultiHeadAttention(**config)
+    builtin = keras.layers.MultiHeadAttention(**config)
+    for layer in (ours, builtin):
+        layer.build(query_shape, value_shape, key_shape)
+    source, target = (builtin, ours) if copy == "to_ours" else (ours, builtin)
+    target.set_weights(source.get_weights())
+    return ours, builtin
+
+
+def random_inputs(rng, *shapes, dtype="float32"):
+    """One standard-normal array per shape."""
+    return [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+
+
+def to_numpy(x):
+    """Backend tensor (or nested tuple of them) -> NumPy."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_numpy(y) for y in x)
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+# ------------------------------------------------------------------------ gradients
+def gradients(layer, inputs, loss=None, **call_kwargs):
+    """Gradients of `loss(layer(**inputs, **call_kwargs))` w.r.t. inputs and weights.
+
+    Dispatches on the backend: `tf.GradientTape`, `jax.grad` over
+    `layer.stateless_call`, or torch autograd.
+
+    Args:
+        layer: a built layer.
+        inputs: dict of call-argument name -> NumPy float array, differentiated.
+        loss: maps the layer's output (first output, if a tuple) to a scalar with
+            `keras.ops`; default `sum(output ** 2) / 2`.
+        **call_kwargs: other call arguments (masks, flags), not differentiated.
+
+    Returns:
+        `(loss_value, input_grads, weight_grads)`: a float, a dict like `inputs`, and a
+        list in `layer.trainable_weights` order, all NumPy.
+    """
+    ops = keras.ops
+    loss = loss or (lambda y: ops.sum(ops.square(y)) / 2.0)
+
+    def first(y):
+        return y[0] if isinstance(y, (tuple, list)) else y
+
+    names = list(inputs)
+    variables = layer.trainable_weights
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        tensors = {n: tf.constant(inputs[n]) for n in names}
+        with tf.GradientTape() as tape:
+            tape.watch(list(tensors.values()))
+            value = loss(first(layer(**tensors, **call_kwargs)))
+        grads = tape.gradient(value, [tensors[n] for n in names] + [v.value for v in variables])
+    elif BACKEND == "jax":
+        import jax
+
+        def fn(arrays, trainable):
+            out, _ = layer.stateless_call(
+                trainable,
+                [v.value for v in layer.non_trainable_weights],
+                **dict(zip(names, arrays)),
+                **call_kwargs,
+            )
+            return loss(first(out))
+
+        arrays = [jax.numpy.asarray(inputs[n]) for n in names]
+        value, (g_in, g_w) = jax.value_and_grad(fn, argnums=(0, 1))(
+            arrays, [v.value for v in variables]
+        )
+        grads = list(g_in) + list(g_w)
+    elif BACKEND == "torch":
+        import torch
+
+        tensors = {n: torch.tensor(inputs[n], requires_grad=True) for n in names}
+        for v in variables:
+            v.value.grad = None
+        value = loss(first(layer(**tensors, **call_kwargs)))
+        value.backward()
+        grads = [tensors[n].grad for n in names] + [v.value.grad for v in variables]
+    else:  # pragma: no cover
+        raise NotImplementedError(BACKEND)
+    grads = [None if g is None else to_numpy(g) for g in grads]
+    return float(to_numpy(value)), dict(zip(names, grads[: len(names)])), grads[len(names) :]
