@@ -1,0 +1,449 @@
+"""Property-based tests: the layer against an independent float64 NumPy reference.
+
+Hypothesis draws batch sizes, lengths, head counts, key/value dims, output shapes,
+attention axes (rank-3 and rank-4 inputs), kernels, masks (with fully masked rows
+and whole batches) and causal flags. The default budget keeps the file fast; set
+`KERAS_MHA_HYPOTHESIS_PROFILE=thorough` for a larger one.
+"""
+
+import math
+import os
+
+import keras
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from keras import ops
+
+from keras_mha import MultiHeadAttention
+
+settings.register_profile(
+    "keras_mha_default",
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+PROFILE = settings.get_profile(os.environ.get("KERAS_MHA_HYPOTHESIS_PROFILE", "keras_mha_default"))
+RTOL, ATOL = 1e-4, 2e-5
+
+
+# ----------------------------------------------------------------- float64 reference
+def _to_attention_layout(x, axes):
+    """`(B, X1..Xk, N, H)` -> `(B, F, N, prod(attention dims), H)`, F the free dims."""
+    k = x.ndim - 3
+    free = [a for a in range(1, k + 1) if a not in axes]
+    moved = np.transpose(x, [0, *free, k + 1, *axes, k + 2])
+    batch, heads, size = x.shape[0], x.shape[k + 1], x.shape[-1]
+    free_size = math.prod(x.shape[a] for a in free)
+    return moved.reshape(batch, free_size, heads, -1, size)
+
+
+def _from_attention_layout(y, shape, axes):
+    """Inverse of `_to_attention_layout` for an output of shape `shape[:-1] + (Hv,)`."""
+    k = len(shape) - 3
+    free = [a for a in range(1, k + 1) if a not in axes]
+    order = [0, *free, k + 1, *axes, k + 2]
+    moved_shape = [shape[a] for a in order[:-1]] + [y.shape[-1]]
+    return np.transpose(y.reshape(moved_shape), np.argsort(order))
+
+
+def _project(x, kernel, bias):
+    out = np.einsum("...d,dnh->...nh", x, kernel)
+    return out if bias is None else out + bias
+
+
+def reference_attention(weights, query, value, key, mask, axes):
+    """Multi-head attention in float64.
+
+    Args:
+        weights: dict of float64 arrays: `query/key/value_kernel` `(dim, N, H)`,
+            `*_bias` `(N, H)` or `None`, `output_kernel` `(N, Hv, *out)`,
+            `output_bias` `(*out,)` or `None`.
+        query: `(B, X1..Xk, dim)`; value `(B, Y1..Yk, dim_v)`; key like value.
+        mask: boolean `(B, <free dims>, <query attention dims>, <key attention dims>)`
+            or `None`; `True` = may attend.
+        axes: non-negative attention axes of the input.
+
+    Returns:
+        `(output, scores)`: `(B, X1..Xk, *out)` and
+        `(B, <free dims>, N, <query attention dims>, <key attention dims>)`.
+    """
+    w = weights
+    q = _project(query, w["query_kernel"], w["query_bias"])
+    k = _project(key, w["key_kernel"], w["key_bias"])
+    v = _project(value, w["value_kernel"], w["value_bias"])
+    ql, kl, vl = (_to_attention_layout(t, axes) for t in (q, k, v))
+    logits = np.einsum("bfnth,bfnsh->bfnts", ql, kl) / math.sqrt(q.shape[-1])
+    batch, free, heads, t_len, s_len = logits.shape
+    if mask is None:
+        allowed = np.ones(logits.shape, bool)
+    else:
+        allowed = np.broadcast_to(mask.reshape(batch, free, 1, t_len, s_len), logits.shape)
+    logits = np.where(allowed, logits, -np.inf)
+    row_max = np.max(logits, axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    exp = np.where(allowed, np.exp(logits - row_max), 0.0)
+    total = exp.sum(-1, keepdims=True)
+    scores = np.where(total > 0, exp / np.where(total > 0, total, 1.0), 0.0)
+    context = np.einsum("bfnts,bfnsh->bfnth", scores, vl)
+    context = _from_attention_layout(context, q.shape[:-1] + (1,), axes)
+    output = np.tensordot(context, w["output_kernel"], axes=([-2, -1], [0, 1]))
+    if w["output_bias"] is not None:
+        output = output + w["output_bias"]
+    free_dims = [query.shape[a] for a in range(1, query.ndim - 1) if a not in axes]
+    scores_shape = (
+        [batch, *free_dims, heads] + [query.shape[a] for a in axes] + [key.shape[a] for a in axes]
+    )
+    return output, scores.reshape(scores_shape)
+
+
+# ------------------------------------------------------------------------ examples
+@st.composite
+def examples(draw, allow_causal=True):
+    """One configuration plus a seed for its inputs, weights and masks."""
+    rank = draw(st.sampled_from([3, 3, 4]))
+    if rank == 3:
+        query_dims = (draw(st.integers(1, 6)),)
+        key_dims = (draw(st.integers(1, 6)),)
+        axes_arg = draw(st.sampled_from([None, (1,), -2, (-2,)]))
+        implementation = draw(st.sampled_from([None, "explicit", "fused", "chunked"]))
+        causal = allow_causal and draw(st.booleans())
+        padding_masks = draw(st.booleans())
+    else:
+        query_dims = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+        axes_arg = draw(st.sampled_from([None, (1,), (2,), (1, 2), (2, 1), -2, (-3, -2)]))
+        axes = _normalized(axes_arg, 4)
+        # Key dims may differ from the query's only along attention axes.
+        key_dims = tuple(
+            draw(st.integers(1, 3)) if a + 1 in axes else query_dims[a] for a in range(2)
+        )
+        implementation, causal, padding_masks = None, False, False
+    return dict(
+        rank=rank,
+        batch=draw(st.integers(1, 3)),
+        query_dims=query_dims,
+        key_dims=key_dims,
+        dims=(draw(st.integers(1, 5)), draw(st.integers(1, 5)), draw(st.integers(1, 5))),
+        separate_key=draw(st.booleans()),
+        num_heads=draw(st.integers(1, 3)),
+        key_dim=draw(st.integers(1, 4)),
+        value_dim=draw(st.sampled_from([None, 1, 3])),
+        output_shape=draw(st.sampled_from([None, 2, (3,), (2, 2)])),
+        use_bias=draw(st.booleans()),
+        attention_axes=axes_arg,
+        implementation=implementation,
+        chunk_size=draw(st.sampled_from([1, 2, 512])),
+        causal=causal,
+        mask_kind=draw(st.sampled_from(["none", "random", "masked_row", "masked_batch"])),
+        mask_dtype=draw(st.sampled_from(["bool", "int32", "float32"])),
+        padding_masks=padding_masks,
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _normalized(axes_arg, rank):
+    if axes_arg is None:
+        return tuple(range(1, rank - 1))
+    axes = (axes_arg,) if isinstance(axes_arg, int) else axes_arg
+    return tuple(a if a >= 0 else rank + a for a in axes)
+
+
+_LAYERS = {}
+
+
+def _layer(ex):
+    """A built layer for the example's structure (cached), with fresh weights."""
+    structure = (
+        ex["rank"],
+        ex["dims"],
+        ex["num_heads"],
+        ex["key_dim"],
+        ex["value_dim"],
+        ex["output_shape"],
+        ex["use_bias"],
+        ex["attention_axes"],
+        ex["implementation"],
+        ex["chunk_size"],
+        ex["separate_key"],
+    )
+    if structure not in _LAYERS:
+        if len(_LAYERS) > 32:
+            _LAYERS.clear()
+        layer = MultiHeadAttention(
+            num_heads=ex["num_heads"],
+            key_dim=ex["key_dim"],
+            value_dim=ex["value_dim"],
+            output_shape=ex["output_shape"],
+            use_bias=ex["use_bias"],
+            attention_axes=ex["attention_axes"],
+            implementation=ex["implementation"],
+            chunk_size=ex["chunk_size"],
+            kernel_initializer="zeros",
+        )
+        pad = (None,) * (ex["rank"] - 1)
+        dim_q, dim_v, dim_k = ex["dims"]
+        dim_k = dim_k if ex["separate_key"] else dim_v
+        layer.build(pad + (dim_q,), pad + (dim_v,), pad + (dim_k,))
+        _LAYERS[structure] = layer
+    layer = _LAYERS[structure]
+    rng = np.random.default_rng(ex["seed"])
+    layer.set_weights(
+        [rng.normal(0.0, 0.6, w.shape).astype("float32") for w in layer.get_weights()]
+    )
+    return layer
+
+
+def _weights(layer):
+    def get(dense, name):
+        variable = getattr(dense, name, None)
+        return None if variable is None else ops.convert_to_numpy(variable).astype("float64")
+
+    weights = {}
+    for name, dense in (
+        ("query", layer.query_dense),
+        ("key", layer.key_dense),
+        ("value", layer.value_dense),
+        ("output", layer.output_dense),
+    ):
+        weights[f"{name}_kernel"] = get(dense, "kernel")
+        weights[f"{name}_bias"] = get(dense, "bias")
+    return weights
+
+
+def _inputs(ex):
+    """Query/value/key arrays and masks: call kwargs plus the merged reference mask."""
+    rng = np.random.default_rng(ex["seed"] + 1)
+    b, axes = ex["batch"], _normalized(ex["attention_axes"], ex["rank"])
+    dim_q, dim_v, dim_k = ex["dims"]
+    query = rng.normal(size=(b, *ex["query_dims"], dim_q)).astype("float32")
+    value = rng.normal(size=(b, *ex["key_dims"], dim_v)).astype("float32")
+    key = rng.normal(size=(b, *ex["key_dims"], dim_k)).astype("float32")
+    if not ex["separate_key"]:
+        key = None
+    free = [ex["query_dims"][a - 1] for a in range(1, ex["rank"] - 1) if a not in axes]
+    q_att = [ex["query_dims"][a - 1] for a in axes]
+    k_att = [ex["key_dims"][a - 1] for a in axes]
+    kwargs = {}
+    merged = None
+    if ex["mask_kind"] != "none":
+        merged = rng.random((b, *free, *q_att, *k_att)) < 0.7
+        flat = merged.reshape(b, -1, math.prod(k_att))
+        if ex["mask_kind"] == "masked_row":
+            flat[rng.integers(b), rng.integers(flat.shape[1])] = False
+        if ex["mask_kind"] == "masked_batch":
+            flat[rng.integers(b)] = False
+        kwargs["attention_mask"] = merged.astype(ex["mask_dtype"])
+    if ex["padding_masks"]:
+        t_len, s_len = ex["query_dims"][0], ex["key_dims"][0]
+        pads = {
+            "query_mask": rng.random((b, t_len)) < 0.8,
+            "value_mask": rng.random((b, s_len)) < 0.8,
+        }
+        if key is not None:
+            pads["key_mask"] = rng.random((b, s_len)) < 0.8
+        pad_merged = pads["query_mask"][:, :, None] & pads["value_mask"][:, None, :]
+        if "key_mask" in pads:
+            pad_merged = pad_merged & pads["key_mask"][:, None, :]
+        merged = pad_merged if merged is None else merged & pad_merged
+        kwargs.update({k: v.astype(ex["mask_dtype"]) for k, v in pads.items()})
+    if ex["causal"]:
+        t_len, s_len = ex["query_dims"][0], ex["key_dims"][0]
+        causal = np.arange(t_len)[:, None] >= np.arange(s_len)[None, :]
+        merged = causal[None] if merged is None else merged & causal
+        merged = np.broadcast_to(merged, (b, t_len, s_len))
+        kwargs["use_causal_mask"] = True
+    return query, value, key, kwargs, merged, axes
+
+
+_JITTED = {}
+
+
+def _call(layer, query, value, key, kwargs, scores=False):
+    """Calls the layer; on JAX through `jax.jit` (one compilation per shape instead of
+    one per op, which keeps the JAX run as fast as the others)."""
+    if keras.backend.backend() != "jax":
+        result = layer(query, value, key=key, return_attention_scores=scores, **kwargs)
+    else:
+        import jax
+
+        arrays = {k: v for k, v in kwargs.items() if k != "use_causal_mask"}
+        causal = kwargs.get("use_causal_mask", False)
+        cache_key = (id(layer), scores, causal)
+        if cache_key not in _JITTED:
+            if len(_JITTED) > 64:
+                _JITTED.clear()
+
+            def run(variables, query, value, key, arrays):
+                result, _ = layer.stateless_call(
+                    variables,
+                    [],
+                    query,
+                    value,
+                    key=key,
+                    return_attention_scores=scores,
+                    use_causal_mask=causal,
+                    **arrays,
+                )
+                return result
+
+            _JITTED[cache_key] = jax.jit(run)
+        variables = [v.value for v in layer.trainable_variables]
+        result = _JITTED[cache_key](variables, query, value, key, arrays)
+    if scores:
+        return tuple(ops.convert_to_numpy(r) for r in result)
+    return ops.convert_to_numpy(result)
+
+
+# --------------------------------------------------------------------------- tests
+@PROFILE
+@given(examples())
+def test_outputs_and_scores_match_float64_reference(ex):
+    layer = _layer(ex)
+    query, value, key, kwargs, merged, axes = _inputs(ex)
+    expected, expected_scores = reference_attention(
+        _weights(layer),
+        query.astype("float64"),
+        value.astype("float64"),
+        (value if key is None else key).astype("float64"),
+        merged,
+        axes,
+    )
+    output = _call(layer, query, value, key, kwargs)
+    np.testing.assert_allclose(output, expected, rtol=RTOL, atol=ATOL)
+    output, scores = _call(layer, query, value, key, kwargs, scores=True)
+    np.testing.assert_allclose(output, expected, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(scores, expected_scores, rtol=RTOL, atol=ATOL)
+
+    # Scores: non-negative, zero on masked keys, summing to 1 over the unmasked
+    # keys of every row that has one and to 0 on fully masked rows.
+    assert scores.shape == expected_scores.shape
+    assert np.all(scores >= 0.0)
+    num_key_axes = len(axes)
+    key_axes = tuple(range(-num_key_axes, 0))
+    sums = scores.sum(axis=key_axes)
+    if merged is None:
+        np.testing.assert_allclose(sums, 1.0, rtol=0, atol=1e-5)
+        return
+    allowed = _mask_like_scores(merged, scores.shape, ex["rank"], num_key_axes)
+    assert np.all(scores[~allowed] == 0.0)
+    has_keys = allowed.any(axis=key_axes)
+    np.testing.assert_allclose(sums, np.where(has_keys, 1.0, 0.0), rtol=0, atol=1e-5)
+
+
+def _mask_like_scores(merged, scores_shape, rank, num_key_axes):
+    """The merged `(B, <free>, <q attn>, <k attn>)` mask with the heads axis inserted."""
+    free = rank - 2 - num_key_axes
+    expanded = np.expand_dims(merged, 1 + free)
+    return np.broadcast_to(expanded, scores_shape)
+
+
+@PROFILE
+@given(examples())
+def test_outputs_ignore_the_values_of_masked_keys(ex):
+    layer = _layer(ex)
+    query, value, key, kwargs, merged, axes = _inputs(ex)
+    before = _call(layer, query, value, key, kwargs)
+    if merged is None:
+        return
+    rng = np.random.default_rng(ex["seed"] + 2)
+    # Key positions (per batch and free position) that no query may attend to.
+    k_att = [ex["key_dims"][a - 1] for a in axes]
+    flat = np.broadcast_to(merged, merged.shape).reshape(
+        merged.shape[0], -1, math.prod(merged.shape[-2 * len(axes) : -len(axes)]), math.prod(k_att)
+    )
+    unused = ~flat.any(axis=2)  # (B, F, S)
+
+    def scramble(x):
+        with_heads = x[..., None, :]  # (B, ..., 1, dim), the layout helpers' shape
+        layout = _to_attention_layout(with_heads, axes)  # (B, F, 1, S, dim)
+        noise = rng.normal(10.0, 50.0, layout.shape).astype(x.dtype)
+        layout = np.where(unused[:, :, None, :, None], noise, layout)
+        return _from_attention_layout(layout, with_heads.shape, axes)[..., 0, :]
+
+    after = _call(layer, query, scramble(value), None if key is None else scramble(key), kwargs)
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+
+
+@PROFILE
+@given(examples(allow_causal=False))
+def test_permuting_keys_and_values_together_changes_nothing(ex):
+    layer = _layer(ex)
+    query, value, key, kwargs, merged, axes = _inputs(ex)
+    before = _call(layer, query, value, key, kwargs)
+    k_att = [ex["key_dims"][a - 1] for a in axes]
+    permutation = np.random.default_rng(ex["seed"] + 3).permutation(math.prod(k_att))
+
+    def permute_keys(x, key_axes):
+        """Permutes the flattened key attention positions, at `key_axes` of `x`."""
+        others = [a for a in range(x.ndim) if a not in key_axes]
+        moved = np.transpose(x, others + list(key_axes))
+        flat = moved.reshape(moved.shape[: len(others)] + (-1,))[..., permutation]
+        return np.transpose(flat.reshape(moved.shape), np.argsort(others + list(key_axes)))
+
+    def permute_input(x):
+        return permute_keys(x, axes)
+
+    permuted = dict(kwargs)
+    if "attention_mask" in kwargs:
+        mask = kwargs["attention_mask"]
+        permuted["attention_mask"] = permute_keys(
+            mask, tuple(range(mask.ndim - len(axes), mask.ndim))
+        )
+    for name in ("value_mask", "key_mask"):
+        if name in kwargs:
+            permuted[name] = permute_keys(kwargs[name], (1,))
+    after = _call(
+        layer,
+        query,
+        permute_input(value),
+        None if key is None else permute_input(key),
+        permuted,
+    )
+    np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
+
+
+def test_reference_agrees_with_the_builtin_layer():
+    """The reference itself, checked once against `keras.layers.MultiHeadAttention`."""
+    rng = np.random.default_rng(0)
+    query = rng.normal(size=(2, 3, 2, 4)).astype("float32")
+    value = rng.normal(size=(2, 3, 5, 3)).astype("float32")
+    builtin = keras.layers.MultiHeadAttention(
+        num_heads=2, key_dim=3, value_dim=2, output_shape=(2, 2), attention_axes=(2,)
+    )
+    builtin(query, value)
+    names = ("query", "key", "value", "output")
+    weights = {}
+    for name, dense in zip(
+        names,
+        (builtin._query_dense, builtin._key_dense, builtin._value_dense, builtin._output_dense),
+    ):
+        weights[f"{name}_kernel"] = ops.convert_to_numpy(dense.kernel).astype("float64")
+        weights[f"{name}_bias"] = ops.convert_to_numpy(dense.bias).astype("float64")
+    mask = rng.random((2, 3, 2, 5)) < 0.6
+    output, scores = builtin(query, value, attention_mask=mask, return_attention_scores=True)
+    expected, expected_scores = reference_attention(
+        weights,
+        query.astype("float64"),
+        value.astype("float64"),
+        value.astype("float64"),
+        mask,
+        (2,),
+    )
+    valid_rows = mask.any(-1)  # the built-in gives masked rows uniform weights
+    score_rows = np.broadcast_to(valid_rows[:, :, None, :, None], expected_scores.shape)
+    np.testing.assert_allclose(
+        ops.convert_to_numpy(scores)[score_rows],
+        expected_scores[score_rows],
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    rows = np.broadcast_to(valid_rows[..., None, None], (2, 3, 2, 2, 2))
+    np.testing.assert_allclose(
+        ops.convert_to_numpy(output)[rows], expected[rows], rtol=RTOL, atol=ATOL
+    )
