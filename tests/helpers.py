@@ -229,7 +229,8 @@ def gradients(layer, inputs, loss=None, **call_kwargs):
             return loss(first(out))
 
         arrays = [jax.numpy.asarray(inputs[n]) for n in names]
-        value, (g_in, g_w) = jax.value_and_grad(fn, argnums=(0, 1))(
+        # One compiled graph is much faster on CPU than op-by-op eager dispatch.
+        value, (g_in, g_w) = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(
             arrays, [v.value for v in variables]
         )
         grads = list(g_in) + list(g_w)
