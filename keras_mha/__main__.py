@@ -1,0 +1,7 @@
+"""`python -m keras_mha compare ...`: the same as the `keras-mha` console script."""
+
+import sys
+
+from keras_mha.cli import main
+
+sys.exit(main())
