@@ -200,7 +200,10 @@ def chunked_attention(
             chunk_mask = masks_lib.logical_and(chunk_mask, ops.expand_dims(causal, 1))
         if chunk_mask is not None:
             logits = ops.where(chunk_mask, logits, _MASKED_LOGIT)
-        chunk_max = ops.stop_gradient(ops.max(logits, axis=-1, keepdims=True))
+        # `initial` keeps an empty batch (B == 0) legal on TensorFlow and torch.
+        chunk_max = ops.stop_gradient(
+            ops.max(logits, axis=-1, keepdims=True, initial=_MASKED_LOGIT)
+        )
         new_max = chunk_max if running_max is None else ops.maximum(running_max, chunk_max)
         probs = ops.exp(logits - new_max)
         if chunk_mask is not None:

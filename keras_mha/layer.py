@@ -334,7 +334,7 @@ class MultiHeadAttention(keras.layers.Layer):
         equation, bias_axes, output_rank = equations.projection_equation(
             rank - 1, bound_dims=2, output_dims=len(output_dims)
         )
-        self._output_dense = EinsumDense(
+        self._output_dense = _EinsumDense(
             equation,
             output_shape=equations.projection_output_shape(output_rank, output_dims),
             bias_axes=bias_axes if self._use_bias else None,
@@ -354,7 +354,7 @@ class MultiHeadAttention(keras.layers.Layer):
         equation, bias_axes, output_rank = equations.projection_equation(
             rank - 1, bound_dims=1, output_dims=2
         )
-        return EinsumDense(
+        return _EinsumDense(
             equation,
             output_shape=equations.projection_output_shape(output_rank, [heads, size]),
             bias_axes=bias_axes if self._use_bias else None,
@@ -747,3 +747,21 @@ class MultiHeadAttention(keras.layers.Layer):
             tuple(query.shape[:-1]) + heads, key_positions + heads, axes
         )
         return (output, keras.KerasTensor(scores, dtype=self.compute_dtype), *cache_spec)
+
+
+class _EinsumDense(EinsumDense):
+    """`EinsumDense` whose bias is added with `subtract(x, -bias)`.
+
+    Keras's TensorFlow `ops.add` turns an add whose second operand squeezes to a
+    vector into `tf.nn.bias_add`, channels-first when that vector's length matches
+    axis 1: a `(N, 1)` bias (key_dim 1) on a `(B, T, N, 1)` projection with `T == N`
+    lands on the sequence axis. Same weights and results as `EinsumDense` otherwise.
+    """
+
+    def call(self, inputs, training=None):
+        x = ops.einsum(self.equation, inputs, self.kernel)
+        if self.bias is not None:
+            x = ops.subtract(x, ops.negative(self.bias))
+        if self.activation is not None:
+            x = self.activation(x)
+        return x

@@ -11,7 +11,7 @@ import os
 
 import keras
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from keras import ops
 
@@ -301,8 +301,34 @@ def _call(layer, query, value, key, kwargs, scores=False):
 
 
 # --------------------------------------------------------------------------- tests
+# Found by this test: on TensorFlow, Keras's `ops.add` added a `(N, 1)` bias along
+# the sequence axis when T == N (see `layer._EinsumDense`).
+_BIAS_ON_SEQUENCE_AXIS = dict(
+    rank=3,
+    batch=1,
+    query_dims=(2,),
+    key_dims=(2,),
+    dims=(1, 1, 1),
+    separate_key=False,
+    num_heads=2,
+    key_dim=1,
+    value_dim=None,
+    output_shape=None,
+    use_bias=True,
+    attention_axes=None,
+    implementation=None,
+    chunk_size=1,
+    causal=False,
+    mask_kind="none",
+    mask_dtype="bool",
+    padding_masks=False,
+    seed=0,
+)
+
+
 @PROFILE
 @given(examples())
+@example(_BIAS_ON_SEQUENCE_AXIS)
 def test_outputs_and_scores_match_float64_reference(ex):
     layer = _layer(ex)
     query, value, key, kwargs, merged, axes = _inputs(ex)
