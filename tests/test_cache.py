@@ -219,31 +219,29 @@ def test_cache_needs_value_dim_equal_to_key_dim(rng):
         layer(x, x, cache=np.zeros((B, 2, L, HEADS, HEAD_DIM), "float32"), cache_update_index=0)
 
 
+_GOOD_CACHE = np.zeros((B, 2, L, HEADS, HEAD_DIM), "float32")
+
+
 @pytest.mark.parametrize(
-    "kwargs,name",
+    "cache,index,name",
     [
-        pytest.param({"cache": np.zeros((B, L, HEADS, HEAD_DIM))}, "cache", id="rank4"),
-        pytest.param({"cache": np.zeros((B, 3, L, HEADS, HEAD_DIM))}, "cache", id="not_2"),
-        pytest.param({"cache": np.zeros((B, 2, L, 1, HEAD_DIM))}, "cache", id="heads"),
-        pytest.param({"cache": np.zeros((B, 2, L, HEADS, 5))}, "cache", id="key_dim"),
-        pytest.param({"cache": np.zeros((3, 2, L, HEADS, HEAD_DIM))}, "cache", id="batch"),
-        pytest.param({"cache": np.zeros((B, 2, 1, HEADS, HEAD_DIM))}, "cache", id="too_short"),
-        pytest.param({"cache_update_index": 0}, "cache_update_index", id="index_no_cache"),
-        pytest.param({"cache_update_index": 1.5}, "cache_update_index", id="float_index"),
-        pytest.param({"cache_update_index": -1}, "cache_update_index", id="negative_index"),
-        pytest.param({"cache_update_index": np.array([1])}, "cache_update_index", id="vector"),
+        pytest.param(np.zeros((B, L, HEADS, HEAD_DIM)), 0, "cache", id="rank4"),
+        pytest.param(np.zeros((B, 3, L, HEADS, HEAD_DIM)), 0, "cache", id="not_2"),
+        pytest.param(np.zeros((B, 2, L, 1, HEAD_DIM)), 0, "cache", id="heads"),
+        pytest.param(np.zeros((B, 2, L, HEADS, 5)), 0, "cache", id="key_dim"),
+        pytest.param(np.zeros((3, 2, L, HEADS, HEAD_DIM)), 0, "cache", id="batch"),
+        pytest.param(np.zeros((B, 2, 1, HEADS, HEAD_DIM)), 0, "cache", id="too_short"),
+        pytest.param(None, 0, "cache_update_index", id="index_without_cache"),
+        pytest.param(_GOOD_CACHE, 1.5, "cache_update_index", id="float_index"),
+        pytest.param(_GOOD_CACHE, -1, "cache_update_index", id="negative_index"),
+        pytest.param(_GOOD_CACHE, np.array([1]), "cache_update_index", id="vector_index"),
     ],
 )
-def test_invalid_cache_arguments(rng, kwargs, name):
+def test_invalid_cache_arguments(rng, cache, index, name):
     layer = _layer()
     x = rng.normal(size=(B, 2, D)).astype("float32")
-    if name == "cache_update_index" and "cache_update_index" in kwargs and len(kwargs) == 1:
-        if kwargs["cache_update_index"] != 0:
-            kwargs = {**kwargs, "cache": np.zeros((B, 2, L, HEADS, HEAD_DIM), "float32")}
-    elif "cache_update_index" not in kwargs:
-        kwargs = {**kwargs, "cache_update_index": 0}
     with pytest.raises(ValueError, match=f"argument `{name}`"):
-        layer(x, x, **kwargs)
+        layer(x, x, cache=cache, cache_update_index=index)
 
 
 def test_cache_rejects_nd_attention(rng):
