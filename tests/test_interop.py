@@ -156,3 +156,16 @@ def test_to_torch_rejects_nd_attention_and_unbuilt_layers():
         interop.to_torch(keras_mha.MultiHeadAttention(N, E // N))
     with pytest.raises(ValueError, match="`layer`"):
         interop.to_torch(keras.layers.Dense(3))
+
+
+def test_importing_keras_mha_does_not_import_torch():
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, keras_mha; keras_mha.interop; print('torch' in sys.modules)"
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"
