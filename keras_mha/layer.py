@@ -758,6 +758,11 @@ class _EinsumDense(EinsumDense):
     lands on the sequence axis. Same weights and results as `EinsumDense` otherwise.
     """
 
+    def quantize(self, mode=None, type_check=True, config=None):
+        # Keras refuses to quantize subclasses of EinsumDense; a quantized layer
+        # runs EinsumDense's own quantized call, which this class leaves alone.
+        super().quantize(mode, type_check=False, config=config)
+
     def call(self, inputs, training=None):
         x = ops.einsum(self.equation, inputs, self.kernel)
         if self.bias is not None:
