@@ -215,7 +215,6 @@ def plot_ratios(records, path):
             if r["predict_ratio"] is None and r["train_ratio"] is None:
                 ax.text(x, 1.0, "built-in\nfailed", ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_yscale("log")
         ax.set_xlim(-0.6, len(rows) - 0.4)
         ax.set_xticks(list(xs), [r["case"] for r in rows], fontsize=8)
         ax.set_ylabel("ours / built-in")
