@@ -384,3 +384,107 @@ def test_implicit_query_mask_is_set_on_output():
         mask = getattr(output, "_keras_mask", None)
         assert mask is not None, type(layer)
         assert tuple(mask.shape) == (None, T)
+
+
+# ------------------------------------------------------------ properties and config
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(num_heads=3, key_dim=4, value_dim=2, dropout=0.25, use_bias=False),
+        dict(num_heads=2, key_dim=5, attention_axes=(-3, -2), output_shape=(2, 3)),
+    ],
+    ids=["sequence", "nd_attention"],
+)
+def test_properties_match_builtin(config):
+    shape = (B, 2, 3, DIM) if "attention_axes" in config else (B, T, DIM)
+    ours, builtin = make_pair(config, shape, shape)
+    for name in ("num_heads", "key_dim", "value_dim", "dropout", "use_bias", "attention_axes"):
+        assert getattr(ours, name) == getattr(builtin, name), name
+    for name in ("_num_heads", "_key_dim", "_value_dim"):
+        assert getattr(ours, name) == getattr(builtin, name), name
+    for name in ("query", "key", "value", "output"):
+        public, private = getattr(ours, f"{name}_dense"), getattr(ours, f"_{name}_dense")
+        assert public is private
+        assert isinstance(public, keras.layers.EinsumDense)
+        expected = getattr(builtin, f"{name}_dense")
+        assert public.name == expected.name
+        assert tuple(public.kernel.shape) == tuple(expected.kernel.shape)
+    assert ours.value_dim == config.get("value_dim", config["key_dim"])
+
+
+def test_config_round_trip(rng):
+    config = dict(
+        num_heads=2,
+        key_dim=4,
+        value_dim=3,
+        dropout=0.1,
+        output_shape=(6,),
+        sliding_window=3,
+        use_gate=True,
+        seed=5,
+        kernel_initializer="he_normal",
+        bias_initializer="ones",
+        kernel_regularizer="l2",
+        implementation="chunked",
+        chunk_size=2,
+        name="attention",
+    )
+    layer = keras_mha.MultiHeadAttention(**config)
+    q, v = random_inputs(rng, (B, T, DIM), (B, S, 6))
+    output = to_numpy(layer(q, v))
+    saved = layer.get_config()
+    for key, value in config.items():
+        if key not in ("kernel_initializer", "bias_initializer", "kernel_regularizer"):
+            assert saved[key] == value, key
+    clone = keras_mha.MultiHeadAttention.from_config(saved)
+    assert clone.get_config() == saved
+    clone.build(q.shape, v.shape)
+    clone.set_weights(layer.get_weights())
+    np.testing.assert_allclose(to_numpy(clone(q, v)), output, atol=ATOL)
+    # Every built-in constructor argument is in our config, with the same value.
+    builtin = keras.layers.MultiHeadAttention(
+        **{k: v for k, v in config.items() if k not in ("implementation", "chunk_size")}
+    )
+    builtin.build(q.shape, v.shape)
+    builtin_config = builtin.get_config()
+    for key, value in builtin_config.items():
+        if key not in ("name", "dtype"):
+            assert key in saved, key
+            assert saved[key] == value, key
+
+
+@pytest.mark.parametrize(
+    "config, q_shape, v_shape, k_shape, expected",
+    [
+        (dict(num_heads=2, key_dim=4), (None, T, DIM), (None, S, 6), None, (None, T, DIM)),
+        (dict(num_heads=2, key_dim=4, output_shape=5), (B, T, DIM), (B, S, 6), None, (B, T, 5)),
+        (
+            dict(num_heads=2, key_dim=4, output_shape=(2, 3)),
+            (B, T, DIM),
+            (B, S, 6),
+            (B, S, 4),
+            (B, T, 2, 3),
+        ),
+        (dict(num_heads=2, key_dim=4), (B, 3, 4, DIM), (B, 3, 5, 6), None, (B, 3, 4, DIM)),
+    ],
+    ids=["default", "int", "tuple_key", "rank4"],
+)
+def test_compute_output_shape_and_spec(config, q_shape, v_shape, k_shape, expected):
+    ours = keras_mha.MultiHeadAttention(**config)
+    builtin = keras.layers.MultiHeadAttention(**config)
+    assert tuple(ours.compute_output_shape(q_shape, v_shape, k_shape)) == expected
+    assert tuple(builtin.compute_output_shape(q_shape, v_shape, k_shape)) == expected
+    key = None if k_shape is None else keras.KerasTensor(k_shape)
+    spec = ours.compute_output_spec(keras.KerasTensor(q_shape), keras.KerasTensor(v_shape), key)
+    assert tuple(spec.shape) == expected
+    assert spec.dtype == ours.compute_dtype
+    spec, scores = ours.compute_output_spec(
+        keras.KerasTensor(q_shape),
+        keras.KerasTensor(v_shape),
+        key,
+        return_attention_scores=True,
+    )
+    assert tuple(spec.shape) == expected
+    assert tuple(scores.shape)[-1] == v_shape[-2]
+    with pytest.raises(ValueError, match="All dimensions of `value` and `key`"):
+        ours.compute_output_shape((B, T, DIM), (B, S, 6), (B, S + 1, 6))
