@@ -191,6 +191,8 @@ def chunked_attention(
     """Online-softmax attention over key chunks: O(T * chunk) memory, no T x S tensor.
 
     Same result as `explicit_attention` within float32 rounding. Needs a static `S`.
+    Whole chunks run in `ops.fori_loop` (a compiled loop on TensorFlow and JAX, so one
+    chunk's temporaries are alive at a time); a shorter last chunk runs after it.
 
     Args:
         query: `(B, T, N, H)`; key: `(B, S, N, H)`; value: `(B, S, N, Hv)`.
@@ -204,17 +206,18 @@ def chunked_attention(
     """
     dtype = value.dtype
     query = ops.multiply(query, ops.cast(scale, query.dtype))
-    query_length, key_length = query.shape[1], key.shape[1]
-    # Running max, normaliser and weighted sum, per (B, N, T).
-    running_max = None
-    normaliser = None
-    accumulator = None
-    for start in range(0, key_length, chunk_size):
-        stop = min(start + chunk_size, key_length)
-        logits = attention_logits(query, key[:, start:stop], "bsnh,btnh->bnts")
-        chunk_mask = _mask_chunk(mask, start, stop)
+    query = ops.transpose(query, (0, 2, 1, 3))  # (B, N, T, H), once for every chunk
+    key_length = key.shape[1]
+    chunk_size = min(chunk_size, key_length)
+    batch, query_length, heads = ops.shape(value)[0], ops.shape(query)[2], value.shape[2]
+
+    def step(start, size, state):
+        # state: running max, normaliser (B, N, T, 1) and weighted sum (B, N, T, Hv).
+        running_max, normaliser, accumulator = state
+        logits = attention_logits(query, _slice(key, 1, start, size), "bsnh,bnth->bnts")
+        chunk_mask = _slice(mask, 3, start, size) if _masks_keys(mask) else mask
         if is_causal:
-            causal = masks_lib.causal_mask(query_length, stop - start, causal_offset - start)
+            causal = masks_lib.causal_mask(query_length, size, causal_offset - start)
             chunk_mask = masks_lib.logical_and(chunk_mask, ops.expand_dims(causal, 1))
         if chunk_mask is not None:
             logits = ops.where(chunk_mask, logits, _MASKED_LOGIT)
@@ -222,29 +225,46 @@ def chunked_attention(
         chunk_max = ops.stop_gradient(
             ops.max(logits, axis=-1, keepdims=True, initial=_MASKED_LOGIT)
         )
-        new_max = chunk_max if running_max is None else ops.maximum(running_max, chunk_max)
+        new_max = ops.maximum(running_max, chunk_max)
         probs = ops.exp(logits - new_max)
         if chunk_mask is not None:
             probs = ops.where(chunk_mask, probs, 0.0)
-        values = ops.cast(value[:, start:stop], "float32")
-        partial = ops.einsum("bnts,bsnh->bnth", probs, values)
-        if running_max is None:
-            normaliser = ops.sum(probs, axis=-1, keepdims=True)
-            accumulator = partial
-        else:
-            correction = ops.exp(running_max - new_max)
-            normaliser = normaliser * correction + ops.sum(probs, axis=-1, keepdims=True)
-            accumulator = accumulator * correction + partial
-        running_max = new_max
+        values = ops.cast(_slice(value, 1, start, size), "float32")
+        correction = ops.exp(running_max - new_max)
+        normaliser = normaliser * correction + ops.sum(probs, axis=-1, keepdims=True)
+        accumulator = accumulator * correction + ops.einsum("bnts,bsnh->bnth", probs, values)
+        return new_max, normaliser, accumulator
+
+    # Finite, far below any (masked) logit: the first correction is exactly 0.
+    state = (
+        ops.full((batch, heads, query_length, 1), -1e30, "float32"),
+        ops.zeros((batch, heads, query_length, 1), "float32"),
+        ops.zeros((batch, heads, query_length, value.shape[-1]), "float32"),
+    )
+    whole_chunks, rest = divmod(key_length, chunk_size)
+    if whole_chunks == 1:
+        state = step(0, chunk_size, state)
+    else:
+        state = ops.fori_loop(
+            0, whole_chunks, lambda i, s: step(i * chunk_size, chunk_size, s), state
+        )
+    if rest:
+        state = step(whole_chunks * chunk_size, rest, state)
+    _, normaliser, accumulator = state
     has_keys = ops.greater(normaliser, 0.0)
     output = accumulator / ops.where(has_keys, normaliser, 1.0)
     output = ops.where(has_keys, output, 0.0)
     return ops.cast(ops.transpose(output, (0, 2, 1, 3)), dtype)
 
 
-def _mask_chunk(mask, start, stop):
-    if mask is None:
-        return None
-    if mask.shape[-1] == 1:
-        return mask
-    return mask[..., start:stop]
+def _masks_keys(mask):
+    return mask is not None and mask.shape[-1] != 1
+
+
+def _slice(x, axis, start, size):
+    """`x[..., start:start + size, ...]` along `axis`; `start` may be a traced integer."""
+    starts = [0] * len(x.shape)
+    starts[axis] = start
+    shape = list(ops.shape(x))
+    shape[axis] = size
+    return ops.slice(x, starts, shape)
