@@ -490,10 +490,6 @@ class MultiHeadAttention(keras.layers.Layer):
             key_dim=self._key_dim,
             index_given=cache_update_index is not None,
         )
-        if len(self._attention_axes) != 1:
-            raise checks.invalid(
-                "attention_axes", "a single attention axis to use a cache", self._attention_axes
-            )
         if cache_update_index is None:
             return None
         return cache_lib.as_index(cache_update_index)
