@@ -136,6 +136,37 @@ def input_shapes(query_shape, value_shape, key_shape):
     return query_shape, value_shape, key_shape
 
 
+def call_arguments(arguments, axes):
+    """A call's arguments as given, checked before Keras converts them to tensors (a
+    string mask would fail there, naming nothing) or builds the layer, so a rejected
+    call leaves no weights behind.
+
+    Args:
+        arguments: the call's arguments by name (`inspect.BoundArguments.arguments`).
+        axes: the layer's `attention_axes` (as given, or normalized once built).
+    """
+    if "use_causal_mask" in arguments:
+        boolean("use_causal_mask", arguments["use_causal_mask"])
+    if "return_attention_scores" in arguments:
+        boolean("return_attention_scores", arguments["return_attention_scores"], True)
+    query, value, key = (arguments.get(name) for name in ("query", "value", "key"))
+    if not all(hasattr(x, "shape") for x in (query, value) + ((key,) if key is not None else ())):
+        return
+    query_shape, value_shape, key_shape = input_shapes(
+        query.shape, value.shape, None if key is None else key.shape
+    )
+    axes = attention_axes_for_rank(axes, len(query_shape))
+    if arguments.get("cache") is not None:
+        return  # masks then cover the cache's positions; `call` checks them
+    batch = query_shape[:1]
+    mask("query_mask", arguments.get("query_mask"), batch + query_shape[1:-1])
+    mask("value_mask", arguments.get("value_mask"), batch + value_shape[1:-1])
+    mask("key_mask", arguments.get("key_mask"), batch + key_shape[1:-1])
+    extra = tuple(query_shape[i] for i in range(1, len(query_shape) - 1) if i not in axes)
+    attention = tuple(query_shape[a] for a in axes) + tuple(value_shape[a] for a in axes)
+    mask("attention_mask", arguments.get("attention_mask"), batch + extra + attention)
+
+
 def mask(name, mask_value, expected_shape):
     """A mask must be bool/int/float and broadcast to `expected_shape`."""
     if mask_value is None:

@@ -381,6 +381,15 @@ class MultiHeadAttention(keras.layers.Layer):
         )
 
     # ------------------------------------------------------------------------ call
+    def __call__(self, *args, **kwargs):
+        try:
+            arguments = self._call_signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            arguments = None  # a wrong signature: Keras reports it
+        if arguments is not None:
+            checks.call_arguments(arguments, self._attention_axes)
+        return super().__call__(*args, **kwargs)
+
     def call(
         self,
         query,
