@@ -38,5 +38,29 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
+# GPU tests + GPU benchmark per installed backend, against the existing .venv (no
+# install, no network), then a markdown report in $(GPU_OUT). On a machine without a
+# GPU: make gpu GPU_BENCH_ARGS=--dry-run GPU_OUT=/tmp/gpu-dry (checks the code only).
+GPU_BACKENDS ?= torch jax tensorflow
+GPU_OUT ?= benchmarks/results
+GPU_BENCH_ARGS ?=
+gpu:
+	@test -x $(BIN)/python || { echo "no $(BIN)/python: run make install first"; exit 1; }
+	@mkdir -p $(GPU_OUT)/raw
+	@for b in $(GPU_BACKENDS); do \
+	  rm -f $(GPU_OUT)/raw/tests-$$b.xml $(GPU_OUT)/raw/bench-$$b.json; \
+	  if ! $(BIN)/python -c "import $$b" >/dev/null 2>&1; then \
+	    echo "== $$b: not installed, left out of the report"; continue; fi; \
+	  echo "== $$b: pytest -m gpu"; \
+	  KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -m gpu tests/test_gpu.py \
+	    --junitxml=$(GPU_OUT)/raw/tests-$$b.xml || true; \
+	  echo "== $$b: benchmarks/gpu_bench.py $(GPU_BENCH_ARGS)"; \
+	  KERAS_BACKEND=$$b $(BIN)/python benchmarks/gpu_bench.py run $(GPU_BENCH_ARGS) \
+	    --out $(GPU_OUT)/raw/bench-$$b.json > /dev/null || true; \
+	done
+	$(BIN)/python benchmarks/gpu_bench.py report --raw $(GPU_OUT)/raw \
+	  --backends $(GPU_BACKENDS) --out $(GPU_OUT)/gpu-$$(date +%F).md
+	@cat $(GPU_OUT)/gpu-$$(date +%F).md
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .test-logs *.egg-info
