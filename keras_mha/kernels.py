@@ -21,6 +21,8 @@ IMPLEMENTATIONS = ("explicit", "fused", "chunked")
 # Below this many query-key pairs per (batch, head) the full score matrix is cheap.
 CHUNK_THRESHOLD = 2048 * 2048
 DEFAULT_CHUNK_SIZE = 512
+# How `chunked_attention` chunks on each backend, by measurement (see its docstring).
+CHUNK_OVER = {"tensorflow": "queries", "jax": "keys", "torch": "keys"}
 _MASKED_LOGIT = -1e9
 
 
@@ -63,7 +65,8 @@ def choose_implementation(
         return "fused"
     if lengths_known and query_length * key_length >= CHUNK_THRESHOLD:
         return "chunked"
-    if name == "jax" and same_head_dims:
+    # On TensorFlow the fused kernel (the built-in's path) beat our explicit einsums.
+    if name == "tensorflow" or (name == "jax" and same_head_dims):
         return "fused"
     return "explicit"
 
@@ -187,10 +190,22 @@ def chunked_attention(
     is_causal=False,
     causal_offset=0,
     chunk_size=DEFAULT_CHUNK_SIZE,
+    over=None,
 ):
-    """Online-softmax attention over key chunks: O(T * chunk) memory, no T x S tensor.
+    """Attention in chunks, never materialising the `(T, S)` scores: O(chunk) memory.
 
-    Same result as `explicit_attention` within float32 rounding. Needs a static `S`.
+    Same result as `explicit_attention` within float32 rounding. Needs a static `S`
+    (and `T` when chunking over queries). Two ways, chosen by measurement per backend
+    (`CHUNK_OVER`; see `benchmarks/run.py`):
+
+    - "keys": online softmax over key chunks (running max, normaliser and weighted
+      sum): O(T * chunk) memory. JAX's XLA compiles the loop well: 0.26x the time of
+      its fused kernel at T=S=8192 on CPU.
+    - "queries": query chunks, each an exact softmax over all keys by the backend's
+      fused kernel (`fused_attention`, or the explicit math where that kernel does not
+      apply): O(chunk * S) memory. On TensorFlow the online softmax's extra
+      elementwise passes made it ~3x slower than this.
+
     Whole chunks run in `ops.fori_loop` (a compiled loop on TensorFlow and JAX, so one
     chunk's temporaries are alive at a time); a shorter last chunk runs after it.
 
@@ -199,11 +214,83 @@ def chunked_attention(
         mask: boolean, broadcastable to `(B, N, T, S)`, or `None`.
         is_causal: apply a causal mask, generated chunk by chunk.
         causal_offset: position of the first query (KV-cache decoding).
-        chunk_size: keys per chunk.
+        chunk_size: keys (or queries) per chunk.
+        over: "keys", "queries" or `None` (this backend's `CHUNK_OVER`).
 
     Returns:
         output `(B, T, N, Hv)` in the value's dtype.
     """
+    over = over or CHUNK_OVER.get(backend.backend(), "keys")
+    if over == "queries" and query.shape[1] is not None:
+        chunked = _chunked_over_queries
+    else:
+        chunked = _chunked_over_keys
+    return chunked(
+        query,
+        key,
+        value,
+        scale=scale,
+        mask=mask,
+        is_causal=is_causal,
+        causal_offset=causal_offset,
+        chunk_size=chunk_size,
+    )
+
+
+def _chunked_over_queries(query, key, value, *, scale, mask, is_causal, causal_offset, chunk_size):
+    query_length, key_length = query.shape[1], key.shape[1]
+    chunk_size = min(chunk_size, query_length)
+    fused = _fused_supported(key.shape[-1] == value.shape[-1])
+
+    def step(start, size, output):
+        chunk_mask = mask
+        if mask is not None and mask.shape[2] != 1:
+            chunk_mask = _slice(mask, 2, start, size)
+        if is_causal:
+            causal = masks_lib.causal_mask(size, key_length, causal_offset + start)
+            chunk_mask = masks_lib.logical_and(chunk_mask, ops.expand_dims(causal, 1))
+        chunk = _slice(query, 1, start, size)
+        if fused:
+            result = fused_attention(chunk, key, value, scale=scale, mask=chunk_mask)
+        else:
+            result, _ = explicit_attention(
+                chunk,
+                key,
+                value,
+                scale=scale,
+                dot_product_equation="bsnh,btnh->bnts",
+                combine_equation="bnts,bsnh->btnh",
+                num_attention_axes=1,
+                mask=chunk_mask,
+            )
+        # A scatter (differentiable on every backend, unlike TF's dynamic update
+        # slice) into the (T, B, N, Hv) output.
+        rows = ops.expand_dims(ops.arange(size, dtype="int32") + start, -1)
+        result = ops.transpose(ops.cast(result, output.dtype), (1, 0, 2, 3))
+        return ops.scatter_update(output, rows, result)
+
+    output = ops.zeros(
+        (query_length, ops.shape(query)[0], value.shape[2], value.shape[3]), value.dtype
+    )
+    output = _loop_over_chunks(step, query_length, chunk_size, output)
+    return ops.transpose(output, (1, 0, 2, 3))
+
+
+def _loop_over_chunks(step, length, chunk_size, state):
+    """`state = step(start, size, state)` over `[0, length)` in `chunk_size` pieces."""
+    whole_chunks, rest = divmod(length, chunk_size)
+    if whole_chunks == 1:
+        state = step(0, chunk_size, state)
+    else:
+        state = ops.fori_loop(
+            0, whole_chunks, lambda i, s: step(i * chunk_size, chunk_size, s), state
+        )
+    if rest:
+        state = step(whole_chunks * chunk_size, rest, state)
+    return state
+
+
+def _chunked_over_keys(query, key, value, *, scale, mask, is_causal, causal_offset, chunk_size):
     dtype = value.dtype
     query = ops.multiply(query, ops.cast(scale, query.dtype))
     query = ops.transpose(query, (0, 2, 1, 3))  # (B, N, T, H), once for every chunk
@@ -241,16 +328,7 @@ def chunked_attention(
         ops.zeros((batch, heads, query_length, 1), "float32"),
         ops.zeros((batch, heads, query_length, value.shape[-1]), "float32"),
     )
-    whole_chunks, rest = divmod(key_length, chunk_size)
-    if whole_chunks == 1:
-        state = step(0, chunk_size, state)
-    else:
-        state = ops.fori_loop(
-            0, whole_chunks, lambda i, s: step(i * chunk_size, chunk_size, s), state
-        )
-    if rest:
-        state = step(whole_chunks * chunk_size, rest, state)
-    _, normaliser, accumulator = state
+    _, normaliser, accumulator = _loop_over_chunks(step, key_length, chunk_size, state)
     has_keys = ops.greater(normaliser, 0.0)
     output = accumulator / ops.where(has_keys, normaliser, 1.0)
     output = ops.where(has_keys, output, 0.0)

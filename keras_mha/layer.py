@@ -12,7 +12,7 @@ from keras import constraints, initializers, ops, regularizers
 from keras.layers import Dropout, EinsumDense
 
 from keras_mha import cache as cache_lib
-from keras_mha import checks, equations, kernels, norms
+from keras_mha import checks, equations, kernels, norms, projections
 from keras_mha import masks as masks_lib
 
 
@@ -528,11 +528,11 @@ class MultiHeadAttention(keras.layers.Layer):
             masks_lib.set_keras_mask(x, None)
         try:
             gate = self._gate_dense(query) if self._use_gate else None
-            projected = (
-                self._query_dense(query),
-                self._key_dense(key),
-                self._value_dense(value),
-            )
+            denses = (self._query_dense, self._key_dense, self._value_dense)
+            if query is value and key is value and projections.fusable(denses):
+                projected = projections.fused_self_projection(denses, query)
+            else:
+                projected = tuple(dense(x) for dense, x in zip(denses, inputs))
         finally:
             for x, mask in zip(inputs, saved):
                 if mask is not None:
