@@ -265,7 +265,11 @@ def compare_case(case, quick=False, repeats=None, perturb=0.0, seed=0):
     record["passed"] = bool(finite and within_tolerance(record))
 
     if repeats > 0:
-        _time_models(record, ours, builtin, inputs, repeats)
+        try:
+            _time_models(record, ours, builtin, inputs, repeats)
+        except Exception as error:  # only ours re-raises: the built-in's are recorded
+            record["ours_error"] = _error_text(error)
+            record["passed"] = False
     return record
 
 
