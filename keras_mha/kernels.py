@@ -221,7 +221,8 @@ def chunked_attention(
         output `(B, T, N, Hv)` in the value's dtype.
     """
     over = over or CHUNK_OVER.get(backend.backend(), "keys")
-    if over == "queries" and query.shape[1] is not None:
+    # An empty batch goes over keys: TensorFlow's scatter rejects an empty output.
+    if over == "queries" and query.shape[1] is not None and query.shape[0] != 0:
         chunked = _chunked_over_queries
     else:
         chunked = _chunked_over_keys
