@@ -244,7 +244,12 @@ def _expected_builtin_failure(config, error):
 
 
 # ----------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("name", list(CASES))
+# Cases whose configuration another case of the matrix already covers (kept in
+# `CASES` for the other tests), left out of the matrix to keep JAX's eager run short.
+COVERED_ELSEWHERE = {"causal", "implicit_masking", "sliding_window", "rank5_axes_2_3"}
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n not in COVERED_ELSEWHERE])
 def test_matches_builtin_and_reference(name, rng):
     config, q_shape, v_shape, k_shape, opts = CASES[name]
     arrays, attention_mask, merged = _case_inputs(name, rng)
@@ -335,7 +340,7 @@ def test_set_weights_both_ways(name, direction, rng):
 
 @pytest.mark.parametrize(
     "name",
-    ["cross_t_ne_s", "separate_key", "attention_mask", "causal", "rank4_axis2", "use_gate"],
+    ["separate_key", "explicit_and_causal", "rank4_axis2", "use_gate"],
 )
 def test_gradient_parity(name, rng):
     config, q_shape, v_shape, k_shape, opts = CASES[name]
@@ -426,7 +431,7 @@ def test_config_round_trip(rng):
         bias_initializer="ones",
         kernel_regularizer="l2",
         implementation="chunked",
-        chunk_size=2,
+        chunk_size=4,
         name="attention",
     )
     layer = keras_mha.MultiHeadAttention(**config)

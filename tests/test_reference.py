@@ -22,7 +22,7 @@ import keras_mha
 from keras_mha import kernels
 
 ATOL = 1e-5
-B, T, S, DIM = 2, 6, 9, 8
+B, T, S, DIM = 2, 5, 7, 8  # the shapes of the other test files: JAX compiles once
 IMPLEMENTATIONS = ["explicit", "fused", "chunked", None]
 
 # name -> (config, value shape, call options)
@@ -31,7 +31,6 @@ CASES = {
     "cross": (dict(num_heads=2, key_dim=4), (B, S, 6), {}),
     "value_dim": (dict(num_heads=3, key_dim=4, value_dim=2), (B, S, 6), {}),
     "mask_with_empty_rows": (dict(num_heads=2, key_dim=4), (B, S, 6), {"mask": True}),
-    "causal": (dict(num_heads=2, key_dim=4), (B, T, DIM), {"causal": True}),
     "causal_cross": (dict(num_heads=2, key_dim=4), (B, S, 6), {"causal": True}),
     "causal_and_mask": (dict(num_heads=2, key_dim=4), (B, T, DIM), {"causal": True, "mask": True}),
     "sliding_window": (dict(num_heads=2, key_dim=4, sliding_window=2), (B, T, DIM), {}),
@@ -73,8 +72,12 @@ def spy(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=str)
-@pytest.mark.parametrize("name", list(CASES))
+MATRIX = [(name, impl) for name in CASES for impl in IMPLEMENTATIONS[:3]] + [
+    (name, None) for name in ("causal_and_mask", "value_dim")
+]
+
+
+@pytest.mark.parametrize("name, implementation", MATRIX, ids=str)
 def test_implementation_matches_reference(name, implementation, rng, spy):
     config, _, opts = CASES[name]
     q, v, mask = _inputs(name, rng)
