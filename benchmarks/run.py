@@ -11,7 +11,7 @@ Each backend runs in its own child process (Keras picks its backend once per pro
   pairs) and the growth of peak RSS from T=256 to T=8192, each configuration in a fresh
   child process (`ru_maxrss` sees native buffers, which `tracemalloc` does not).
 
-    .venv/bin/python benchmarks/run.py                      # every backend, ~10 minutes
+    .venv/bin/python benchmarks/run.py              # every backend, ~10 minutes on 2 cores
     .venv/bin/python benchmarks/run.py --backends jax --pairs 5
 """
 
@@ -108,11 +108,17 @@ def _matmul_flops_per_second():
     return 2.0 * n**3 / seconds
 
 
-def _layer_flops(batch, length, dim, heads):
-    """Forward FLOPs of self-attention: q/k/v projections, QK^T, AV, output projection."""
+def _layer_flops(batch, length, dim):
+    """FLOPs of self-attention `(forward, training step)`.
+
+    Forward: four `dim x dim` projections `P` and the two `T x S` products `A`. A
+    training step adds every weight gradient (`P`), the output projection's input
+    gradient (`P / 4`) and the attention's backward (`2 A`); the model input needs
+    no gradient, so the q/k/v projections' input gradients are not computed.
+    """
     projections = 2 * batch * length * dim * dim * 4
     attention = 2 * 2 * batch * length * length * dim
-    return projections + attention
+    return projections + attention, 2.25 * projections + 3 * attention
 
 
 def speed_worker(pairs):
@@ -131,7 +137,7 @@ def speed_worker(pairs):
     train = _median_pairs(
         [lambda: ours.train_on_batch(x, y), lambda: builtin.train_on_batch(x, y)], pairs
     )
-    flops = _layer_flops(b, t, d, n)
+    flops, train_flops = _layer_flops(b, t, d)
     throughput = _matmul_flops_per_second()
     return dict(
         ours_predict_ms=predict[0] * 1e3,
@@ -139,9 +145,8 @@ def speed_worker(pairs):
         ours_train_ms=train[0] * 1e3,
         builtin_train_ms=train[1] * 1e3,
         matmul_gflops=throughput / 1e9,
-        # A training step is ~3x the forward FLOPs (forward, two backward products).
         floor_predict_ms=flops / throughput * 1e3,
-        floor_train_ms=3 * flops / throughput * 1e3,
+        floor_train_ms=train_flops / throughput * 1e3,
     )
 
 
@@ -282,7 +287,7 @@ def plot(records, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument("--pairs", type=int, default=21)
+    parser.add_argument("--pairs", type=int, default=15)
     parser.add_argument("--long-pairs", type=int, default=3)
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--worker", choices=("speed", "long_time", "memory"), help="internal")

@@ -422,7 +422,9 @@ class MultiHeadAttention(keras.layers.Layer):
             key_length=None if cache is None else cache.shape[2],
         )
 
-        projected_query, projected_key, projected_value, gate = self._project(query, key, value)
+        projected_query, projected_key, projected_value, gate = self._project(
+            query, key, value, training=training
+        )
         if self._normalize_qk:
             projected_query = self._query_norm(projected_query)
             projected_key = self._key_norm(projected_key)
@@ -516,7 +518,7 @@ class MultiHeadAttention(keras.layers.Layer):
             return self._return_attention_scores
         return checks.boolean("return_attention_scores", return_attention_scores)
 
-    def _project(self, query, key, value):
+    def _project(self, query, key, value, training=None):
         """Runs the projections; returns `(query, key, value, gate or None)`.
 
         Keras masks are detached while the (mask-unaware) projections run, so they
@@ -529,7 +531,7 @@ class MultiHeadAttention(keras.layers.Layer):
         try:
             gate = self._gate_dense(query) if self._use_gate else None
             denses = (self._query_dense, self._key_dense, self._value_dense)
-            if query is value and key is value and projections.fusable(denses):
+            if query is value and key is value and projections.fusable(denses, training):
                 projected = projections.fused_self_projection(denses, query)
             else:
                 projected = tuple(dense(x) for dense, x in zip(denses, inputs))

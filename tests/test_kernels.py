@@ -215,3 +215,10 @@ def test_lora_disables_the_fused_projection(rng):
     (layer,) = _layers(["explicit"])
     layer.query_dense.enable_lora(2)
     assert not projections.fusable((layer.query_dense, layer.key_dense, layer.value_dense))
+
+
+def test_jax_training_steps_keep_three_projections():
+    (layer,) = _layers(["explicit"])
+    denses = (layer.query_dense, layer.key_dense, layer.value_dense)
+    assert projections.fusable(denses, training=False)
+    assert projections.fusable(denses, training=True) == (keras.backend.backend() != "jax")
