@@ -158,9 +158,10 @@ QUICKSTART = [
         """
         ## Training
 
-        Three passes over the 10 000 examples, in rounds of 1 000 so that we can
-        measure the held-out accuracy as it learns. For contrast, the same model without
-        the attention layer (every position on its own) gets the same training.
+        Two passes over the 10 000 examples, in rounds of 1 000, measuring the held-out
+        token accuracy (on 500 test sequences) after each round to see it learn. For
+        contrast, the same model without the attention layer (every position on its
+        own) gets the same training.
         """,
     ),
     (
@@ -168,13 +169,13 @@ QUICKSTART = [
         """
         import time
 
-        ROUNDS, PER_ROUND = 30, 1_000  # 3 passes over the training set
+        ROUNDS, PER_ROUND = 20, 1_000  # 2 passes over the training set
 
 
-        def accuracies(m):
-            \"\"\"Held-out (token accuracy, whole-sequence accuracy).\"\"\"
-            predicted = np.argmax(np.asarray(m.predict(x_test, verbose=0)), axis=-1)
-            right = predicted == y_test
+        def accuracies(m, n=None):
+            \"\"\"(token accuracy, whole-sequence accuracy) on the first `n` test sequences.\"\"\"
+            predicted = np.argmax(np.asarray(m.predict(x_test[:n], verbose=0)), axis=-1)
+            right = predicted == y_test[:n]
             return float(right.mean()), float(right.all(axis=1).mean())
 
 
@@ -185,7 +186,7 @@ QUICKSTART = [
                 start = (r * PER_ROUND) % len(x_train)
                 part = slice(start, start + PER_ROUND)
                 m.fit(x_train[part], y_train[part], batch_size=50, epochs=1, verbose=0)
-                curve.append(accuracies(m)[0])
+                curve.append(accuracies(m, n=500)[0])
             return curve
 
 
@@ -196,7 +197,7 @@ QUICKSTART = [
         baseline_curve = train(baseline)
 
         for label, m in [("with attention", model), ("without attention", baseline)]:
-            tokens_ok, sequences_ok = accuracies(m)
+            tokens_ok, sequences_ok = accuracies(m)  # all 2 000 test sequences
             print(f"{label:>17}: token accuracy {tokens_ok:.2%}, sequences {sequences_ok:.2%}")
         """,
     ),
