@@ -12,6 +12,8 @@ All three compute `softmax(q k^T * scale, masked) v` with the same conventions:
 Which one runs is a separate decision, made by `choose_implementation`.
 """
 
+import functools
+
 from keras import backend, ops
 
 from keras_mha import masks as masks_lib
@@ -63,12 +65,22 @@ def choose_implementation(
     name = backend.backend()
     if name == "torch":
         return "fused"
-    if lengths_known and query_length * key_length >= CHUNK_THRESHOLD:
+    long = lengths_known and query_length * key_length >= CHUNK_THRESHOLD
+    if long and not (name == "jax" and same_head_dims and _accelerator_visible()):
+        # On a GPU, JAX's fused kernel (cuDNN flash attention) is itself lean.
         return "chunked"
     # On TensorFlow the fused kernel (the built-in's path) beat our explicit einsums.
     if name == "tensorflow" or (name == "jax" and same_head_dims):
         return "fused"
     return "explicit"
+
+
+@functools.cache
+def _accelerator_visible():
+    """Whether JAX's default device is an accelerator (it is on a GPU machine)."""
+    import jax
+
+    return jax.default_backend() != "cpu"
 
 
 def _fused_supported(same_head_dims):
