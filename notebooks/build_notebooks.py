@@ -1520,6 +1520,7 @@ def execute(path):
     client = NotebookClient(
         nb,
         timeout=CELL_TIMEOUT,
+        record_timing=False,  # no timestamps: a rebuild changes only what changed
         kernel_name="python3",
         resources={"metadata": {"path": str(HERE)}},
     )
