@@ -22,7 +22,7 @@ IMPLEMENTATIONS = ("explicit", "fused", "chunked")
 
 # Below this many query-key pairs per (batch, head) the full score matrix is cheap.
 CHUNK_THRESHOLD = 2048 * 2048
-DEFAULT_CHUNK_SIZE = 512
+DEFAULT_CHUNK_SIZE = 256
 # How `chunked_attention` chunks on each backend, by measurement (see its docstring).
 CHUNK_OVER = {"tensorflow": "queries", "jax": "keys", "torch": "keys"}
 _MASKED_LOGIT = -1e9
@@ -99,7 +99,9 @@ def masked_softmax(logits, mask, axes):
     logits = ops.cast(logits, "float32")
     if mask is not None:
         logits = ops.where(mask, logits, _MASKED_LOGIT)
-    if len(axes) == 1:
+    # TensorFlow's CPU softmax kernel takes at most rank 5; scores of one attention
+    # axis on a rank-5 input (video: frames attending over frames) have rank 6.
+    if len(axes) == 1 and len(logits.shape) <= 5:
         weights = ops.softmax(logits, axis=axes[0])
     else:
         weights = ops.exp(logits - ops.logsumexp(logits, axis=axes, keepdims=True))

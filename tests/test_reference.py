@@ -172,3 +172,15 @@ def test_reference_itself_on_a_tiny_case():
     np.testing.assert_allclose(out[0, 0, 0, 0], expected @ np.array([2.0, 4.0]))
     _, masked = reference_attention(q, k, v, mask=np.zeros((1, 1, 2), bool))
     np.testing.assert_array_equal(masked, 0.0)
+
+
+def test_single_attention_axis_on_a_rank5_input(rng):
+    """Frames attending over frames of a video `(B, F, H, W, C)`: rank-6 scores,
+    beyond TensorFlow's rank-5 softmax kernel (the built-in fails there)."""
+    layer = keras_mha.MultiHeadAttention(num_heads=2, key_dim=3, attention_axes=1)
+    video = rng.standard_normal((2, 4, 2, 3, 5)).astype("float32")
+    output, scores = layer(video, video, return_attention_scores=True)
+    expected_output, expected_scores = reference_mha(layer, video, video)
+    assert tuple(scores.shape) == (2, 2, 3, 2, 4, 4)
+    np.testing.assert_allclose(to_numpy(output), expected_output, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(scores), expected_scores, atol=1e-5)
