@@ -14,17 +14,29 @@ _EQUATION = "abc,cde->abde"
 
 
 def fusable(denses, training=None):
-    """Whether plain `EinsumDense` projections of a `(B, T, dim)` input are fused.
+    """Whether to fuse: the projections can be fused and fusing pays off here."""
+    return pays_off(training) and can_fuse(denses)
 
-    Not fused: quantized or LoRA-enabled sublayers, activations or activity
-    regularizers (their own `__call__` would apply them), different compute dtypes,
-    and subclasses that override `call` outside Keras and this package. Nor JAX
-    training steps: XLA's backward pass through the concatenation and split measured
-    ~8% slower there than three projections (`benchmarks/run.py`), its forward ~16%
-    faster.
+
+def pays_off(training=None):
+    """Where one fused product beat three, by measurement (`benchmarks/run.py`).
+
+    Not in JAX training steps: XLA's backward pass through the concatenation and split
+    measured ~8% slower than three projections (its forward ~16% faster). Not on
+    TensorFlow: concatenating the kernels in the graph measured ~8% slower than three
+    projections (B=8, T=256, dim 512, 8 heads, `predict_on_batch`).
     """
-    if training and backend.backend() == "jax":
-        return False
+    name = backend.backend()
+    return name != "tensorflow" and not (training and name == "jax")
+
+
+def can_fuse(denses):
+    """Whether plain `EinsumDense` projections of a `(B, T, dim)` input can be fused.
+
+    Not: quantized or LoRA-enabled sublayers, activations or activity regularizers
+    (their own `__call__` would apply them), different compute dtypes, and subclasses
+    that override `call` outside Keras and this package.
+    """
     dtypes = {d.compute_dtype for d in denses}
     biases = {d.bias is None for d in denses}
     for d in denses:
