@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BACKENDS ?= tensorflow jax torch
 NOTEBOOK_BACKEND ?= jax
 
-.PHONY: install demo test test-backends test-notebooks lint format bench bench-gpu gpu clean
+.PHONY: install demo test test-backends test-notebooks lint format bench gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
