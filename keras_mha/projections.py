@@ -21,13 +21,14 @@ def fusable(denses, training=None):
 def pays_off(training=None):
     """Where one fused product beat three, by measurement (`benchmarks/run.py`).
 
-    Not in JAX training steps: XLA's backward pass through the concatenation and split
-    measured ~8% slower than three projections (its forward ~16% faster). Not on
-    TensorFlow: concatenating the kernels in the graph measured ~8% slower than three
-    projections (B=8, T=256, dim 512, 8 heads, `predict_on_batch`).
+    Only JAX inference (forward ~16% faster). Not JAX training steps: XLA's backward pass
+    through the concatenation and split measured ~8% slower than three projections. Not
+    TensorFlow: concatenating the kernels in the graph measured ~8% slower (B=8, T=256,
+    dim 512, 8 heads, `predict_on_batch`). Not torch: in eager mode the concatenation,
+    casts and splits are a dozen extra op dispatches per call, a wash at that size and
+    0.2x of the call's time at `keras-mha compare --quick` sizes.
     """
-    name = backend.backend()
-    return name != "tensorflow" and not (training and name == "jax")
+    return backend.backend() == "jax" and not training
 
 
 def can_fuse(denses):

@@ -188,7 +188,7 @@ def test_fused_projection_matches_three_projections(rng):
     for d in denses:  # non-zero biases, so a dropped or misplaced bias shows
         d.bias.assign(rng.standard_normal(tuple(d.bias.shape)).astype("float32"))
     assert projections.can_fuse(denses)
-    assert projections.fusable(denses) == (keras.backend.backend() != "tensorflow")
+    assert projections.fusable(denses) == (keras.backend.backend() == "jax")
     fused = projections.fused_self_projection(denses, x)
     for got, dense in zip(fused, denses):
         assert tuple(got.shape) == (B, T, N, H)
@@ -196,7 +196,7 @@ def test_fused_projection_matches_three_projections(rng):
 
 
 def test_self_attention_runs_the_fused_projection_with_the_same_results(rng, monkeypatch):
-    # Where it does not pay off by default (TensorFlow), the layer's hook is still tested.
+    # Where it does not pay off by default (TensorFlow, torch), the hook is still tested.
     monkeypatch.setattr(projections, "pays_off", lambda training=None: True)
     calls = []
     original = projections.fused_self_projection
@@ -222,5 +222,5 @@ def test_lora_disables_the_fused_projection(rng):
 
 def test_fusion_runs_where_it_measured_faster():
     backend = keras.backend.backend()
-    assert projections.pays_off(training=False) == (backend != "tensorflow")
-    assert projections.pays_off(training=True) == (backend == "torch")
+    assert projections.pays_off(training=False) == (backend == "jax")
+    assert not projections.pays_off(training=True)
