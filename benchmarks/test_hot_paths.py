@@ -13,7 +13,7 @@ import pytest
 from keras import ops
 
 import keras_mha
-from keras_mha import kernels, projections
+from keras_mha import kernels
 
 B, T, DIM, HEADS = 8, 256, 512, 8
 LONG = 2048
@@ -58,20 +58,6 @@ def test_train_on_batch(benchmark, inputs, which):
     model.compile(optimizer="sgd", loss="mse")
     model.train_on_batch(inputs, inputs)
     benchmark(model.train_on_batch, inputs, inputs)
-
-
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "three"])
-def test_qkv_projection(benchmark, inputs, fused):
-    layer = keras_mha.MultiHeadAttention(num_heads=HEADS, key_dim=DIM // HEADS)
-    layer(inputs, inputs)
-    denses = (layer.query_dense, layer.key_dense, layer.value_dense)
-    if fused:
-        fn = _compiled(lambda x: projections.fused_self_projection(denses, x)[0])
-    else:
-        fn = _compiled(lambda x: [d(x) for d in denses][0])
-    x = ops.convert_to_tensor(inputs)
-    fn(x)
-    benchmark(fn, x)
 
 
 @pytest.mark.parametrize("implementation", ["explicit", "fused", "chunked"])

@@ -12,6 +12,7 @@ All three compute `softmax(q k^T * scale, masked) v` with the same conventions:
 Which one runs is a separate decision, made by `choose_implementation`.
 """
 
+import contextlib
 import functools
 
 from keras import backend, ops
@@ -20,8 +21,6 @@ from keras_mha import masks as masks_lib
 
 IMPLEMENTATIONS = ("explicit", "fused", "chunked")
 
-# Below this many query-key pairs per (batch, head) the full score matrix is cheap.
-CHUNK_THRESHOLD = 2048 * 2048
 DEFAULT_CHUNK_SIZE = 256
 # How `chunked_attention` chunks on each backend, by measurement (see its docstring).
 CHUNK_OVER = {"tensorflow": "queries", "jax": "keys", "torch": "keys"}
@@ -40,6 +39,12 @@ def choose_implementation(
 ):
     """Picks the kernel for one call.
 
+    Left to choose, it takes the fastest kernel measured on each backend (see
+    `benchmarks/run.py`): torch's own fused kernel (O(T) memory already), JAX's
+    fused kernel on a GPU (cuDNN flash attention), and the chunked kernel elsewhere,
+    which on CPU beat TensorFlow's and JAX's fused kernels at every length, forward
+    and backward, while never holding the whole `(T, S)` scores.
+
     Args:
         requested: `None`/"auto", or one of `IMPLEMENTATIONS`.
         need_weights: the caller asked for the attention scores.
@@ -53,26 +58,24 @@ def choose_implementation(
         One of `IMPLEMENTATIONS`. Scores, dropout and N-d attention always take the
         explicit kernel, whatever was requested.
     """
+    del query_length  # an unknown `T` is one query chunk
     if need_weights or dropout_active or projected_rank != 4:
         return "explicit"
-    lengths_known = query_length is not None and key_length is not None
+    fused_ok = _fused_supported(same_head_dims)
+    # Chunking over keys needs a static `S`; over queries it does not.
+    chunked_ok = key_length is not None or CHUNK_OVER.get(backend.backend()) == "queries"
     if requested == "chunked":
-        return "chunked" if key_length is not None else "explicit"
+        return "chunked" if chunked_ok else "explicit"
     if requested == "fused":
-        return "fused" if _fused_supported(same_head_dims) else "explicit"
+        return "fused" if fused_ok else "explicit"
     if requested == "explicit":
         return "explicit"
     name = backend.backend()
-    if name == "torch":
+    if name == "torch" or (name == "jax" and same_head_dims and _accelerator_visible()):
         return "fused"
-    long = lengths_known and query_length * key_length >= CHUNK_THRESHOLD
-    if long and not (name == "jax" and same_head_dims and _accelerator_visible()):
-        # On a GPU, JAX's fused kernel (cuDNN flash attention) is itself lean.
+    if chunked_ok:
         return "chunked"
-    # On TensorFlow the fused kernel (the built-in's path) beat our explicit einsums.
-    if name == "tensorflow" or (name == "jax" and same_head_dims):
-        return "fused"
-    return "explicit"
+    return "fused" if fused_ok else "explicit"
 
 
 @functools.cache
@@ -87,11 +90,13 @@ def _fused_supported(same_head_dims):
     return backend.backend() != "jax" or same_head_dims
 
 
-def attention_logits(query, key, equation):
-    """`einsum(equation, key, query)` in float32 where float16 could overflow."""
+def attention_logits(query, key, equation=None):
+    """`einsum(equation, key, query)`, or `matmul(query, key)` without an equation, in
+    float32 (computed in float32 where float16 could overflow)."""
     if backend.standardize_dtype(query.dtype) == "float16":
         query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
-    return ops.cast(ops.einsum(equation, key, query), "float32")
+    logits = ops.matmul(query, key) if equation is None else ops.einsum(equation, key, query)
+    return ops.cast(logits, "float32")
 
 
 def masked_softmax(logits, mask, axes):
@@ -165,19 +170,39 @@ def fused_attention(query, key, value, *, scale, mask=None, is_causal=False, fla
     dtype = query.dtype
     if backend.standardize_dtype(dtype) == "float16" and not _fused_float16_ok():
         query, key, value = (ops.cast(x, "float32") for x in (query, key, value))
-    output = ops.dot_product_attention(
-        query,
-        key,
-        value,
-        mask=mask,
-        scale=scale,
-        is_causal=is_causal,
-        flash_attention=flash,
-    )
+    if backend.backend() == "torch" and not flash:
+        output = _torch_attention(query, key, value, mask=mask, scale=scale, is_causal=is_causal)
+    else:
+        output = ops.dot_product_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            scale=scale,
+            is_causal=is_causal,
+            flash_attention=flash,
+        )
     output = ops.cast(output, dtype)
     if valid is not None:
         output = ops.where(ops.transpose(valid, (0, 2, 1, 3)), output, 0.0)
     return output
+
+
+def _torch_attention(query, key, value, *, mask, scale, is_causal):
+    """torch's `scaled_dot_product_attention` on heads-first views of `(B, T, N, H)`.
+
+    What Keras's torch `dot_product_attention` runs, minus its copies: it makes the
+    transposed query, key and value contiguous (and the output projection then copies
+    the transposed result back), while torch's kernels take the strided views.
+    """
+    import torch
+
+    dtype = backend.result_type(query.dtype, key.dtype, value.dtype)
+    query, key, value = (ops.cast(x, dtype).transpose(1, 2) for x in (query, key, value))
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale
+    )
+    return output.transpose(1, 2)
 
 
 def _fused_float16_ok():
@@ -206,40 +231,35 @@ def chunked_attention(
     chunk_size=DEFAULT_CHUNK_SIZE,
     over=None,
 ):
-    """Attention in chunks, never materialising the `(T, S)` scores: O(chunk) memory.
+    """Attention in chunks, never materialising the whole `(T, S)` scores.
 
-    Same result as `explicit_attention` within float32 rounding. Needs a static `S`
-    (and `T` when chunking over queries). Two ways, chosen by measurement per backend
-    (`CHUNK_OVER`; see `benchmarks/run.py`):
+    Same result as `explicit_attention` within float32 rounding. Two ways, chosen by
+    measurement per backend (`CHUNK_OVER`; see `benchmarks/run.py`):
 
     - "keys": online softmax over key chunks (running max, normaliser and weighted
-      sum): O(T * chunk) memory. JAX's XLA compiles the loop well: 0.26x the time of
-      its fused kernel at T=S=8192 on CPU.
-    - "queries": query chunks, each an exact softmax over all keys by the backend's
-      fused kernel (`fused_attention`, or the explicit math where that kernel does not
-      apply): O(chunk * S) memory. On TensorFlow the online softmax's extra
-      elementwise passes made it ~3x slower than this.
-
-    Whole chunks run in `ops.fori_loop` (a compiled loop on TensorFlow and JAX, so one
-    chunk's temporaries are alive at a time); a shorter last chunk runs after it.
+      sum), normalised once at the end: O(T * chunk) memory. Needs a static `S`.
+      XLA compiles it into fewer passes over the scores than a softmax: with one
+      chunk it is JAX's fastest attention on CPU even for short sequences.
+    - "queries": query chunks, each an exact softmax over all keys in a heads-first
+      layout (keys transposed once, not once per chunk): O(chunk * S) memory. On
+      TensorFlow it beat both the online softmax and its own one-shot kernel. The
+      chunks are unrolled (a `while` loop with a scatter was ~1.5x slower); at most
+      `IN_FLIGHT` of them run at once, or TensorFlow's executor starts them all
+      together and the memory saving is gone. An unknown `T` is one chunk.
 
     Args:
         query: `(B, T, N, H)`; key: `(B, S, N, H)`; value: `(B, S, N, Hv)`.
         mask: boolean, broadcastable to `(B, N, T, S)`, or `None`.
         is_causal: apply a causal mask, generated chunk by chunk.
         causal_offset: position of the first query (KV-cache decoding).
-        chunk_size: keys (or queries) per chunk.
+        chunk_size: keys (or queries) per chunk; `None` for one chunk.
         over: "keys", "queries" or `None` (this backend's `CHUNK_OVER`).
 
     Returns:
         output `(B, T, N, Hv)` in the value's dtype.
     """
     over = over or CHUNK_OVER.get(backend.backend(), "keys")
-    # An empty batch goes over keys: TensorFlow's scatter rejects an empty output.
-    if over == "queries" and query.shape[1] is not None and query.shape[0] != 0:
-        chunked = _chunked_over_queries
-    else:
-        chunked = _chunked_over_keys
+    chunked = _chunked_over_queries if over == "queries" else _chunked_over_keys
     return chunked(
         query,
         key,
@@ -252,56 +272,62 @@ def chunked_attention(
     )
 
 
+# How many query chunks TensorFlow may run at once (two overlap a softmax with the
+# next chunk's matmul; more only cost memory).
+IN_FLIGHT = 2
+
+
 def _chunked_over_queries(query, key, value, *, scale, mask, is_causal, causal_offset, chunk_size):
-    query_length, key_length = query.shape[1], key.shape[1]
-    chunk_size = min(chunk_size, query_length)
-    fused = _fused_supported(key.shape[-1] == value.shape[-1])
+    query_length = query.shape[1]
+    key_length = ops.shape(key)[1]
+    query = ops.transpose(ops.multiply(query, ops.cast(scale, query.dtype)), (0, 2, 1, 3))
+    key = ops.transpose(key, (0, 2, 3, 1))  # (B, N, H, S)
+    value = ops.transpose(value, (0, 2, 1, 3))  # (B, N, S, Hv)
+    chunks = [(0, query_length)]
+    if query_length is not None and chunk_size is not None:
+        starts = range(0, query_length, chunk_size)
+        chunks = [(s, min(chunk_size, query_length - s)) for s in starts]
 
-    def step(start, size, output):
-        chunk_mask = mask
-        if mask is not None and mask.shape[2] != 1:
-            chunk_mask = _slice(mask, 2, start, size)
-        if is_causal:
-            causal = masks_lib.causal_mask(size, key_length, causal_offset + start)
-            chunk_mask = masks_lib.logical_and(chunk_mask, ops.expand_dims(causal, 1))
-        chunk = _slice(query, 1, start, size)
-        if fused:
-            result = fused_attention(chunk, key, value, scale=scale, mask=chunk_mask)
-        else:
-            result, _ = explicit_attention(
-                chunk,
-                key,
-                value,
-                scale=scale,
-                dot_product_equation="bsnh,btnh->bnts",
-                combine_equation="bnts,bsnh->btnh",
-                num_attention_axes=1,
-                mask=chunk_mask,
-            )
-        # A scatter (differentiable on every backend, unlike TF's dynamic update
-        # slice) into the (T, B, N, Hv) output.
-        rows = ops.expand_dims(ops.arange(size, dtype="int32") + start, -1)
-        result = ops.transpose(ops.cast(result, output.dtype), (1, 0, 2, 3))
-        return ops.scatter_update(output, rows, result)
-
-    output = ops.zeros(
-        (query_length, ops.shape(query)[0], value.shape[2], value.shape[3]), value.dtype
-    )
-    output = _loop_over_chunks(step, query_length, chunk_size, output)
-    return ops.transpose(output, (1, 0, 2, 3))
+    outputs = []
+    for start, size in chunks:
+        with _after(outputs[-IN_FLIGHT : -IN_FLIGHT + 1]):
+            whole = len(chunks) == 1
+            chunk = query if whole else _slice(query, 2, start, size)
+            chunk_mask = mask
+            if mask is not None and mask.shape[2] != 1 and not whole:
+                chunk_mask = _slice(mask, 2, start, size)
+            if is_causal:
+                rows = ops.shape(query)[2] if whole else size
+                causal = masks_lib.causal_mask(rows, key_length, causal_offset + start)
+                chunk_mask = masks_lib.logical_and(chunk_mask, ops.expand_dims(causal, 1))
+            logits = attention_logits(chunk, key)
+            weights = masked_softmax(logits, chunk_mask, (-1,))
+            outputs.append(ops.matmul(ops.cast(weights, value.dtype), value))
+    output = outputs[0] if len(outputs) == 1 else ops.concatenate(outputs, axis=2)
+    return ops.transpose(output, (0, 2, 1, 3))
 
 
-def _loop_over_chunks(step, length, chunk_size, state):
-    """`state = step(start, size, state)` over `[0, length)` in `chunk_size` pieces."""
-    whole_chunks, rest = divmod(length, chunk_size)
+def _after(tensors):
+    """Context in which new TensorFlow graph ops wait for `tensors` (no-op elsewhere)."""
+    if tensors and backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            return tf.control_dependencies(tensors)
+    return contextlib.nullcontext()
+
+
+def _loop_over_chunks(step, start, length, chunk_size, state):
+    """`state = step(begin, size, state)` over `[start, length)` in `chunk_size` pieces."""
+    whole_chunks, rest = divmod(length - start, chunk_size)
     if whole_chunks == 1:
-        state = step(0, chunk_size, state)
-    else:
+        state = step(start, chunk_size, state)
+    elif whole_chunks > 1:
         state = ops.fori_loop(
-            0, whole_chunks, lambda i, s: step(i * chunk_size, chunk_size, s), state
+            0, whole_chunks, lambda i, s: step(start + i * chunk_size, chunk_size, s), state
         )
     if rest:
-        state = step(whole_chunks * chunk_size, rest, state)
+        state = step(start + whole_chunks * chunk_size, rest, state)
     return state
 
 
@@ -310,12 +336,11 @@ def _chunked_over_keys(query, key, value, *, scale, mask, is_causal, causal_offs
     query = ops.multiply(query, ops.cast(scale, query.dtype))
     query = ops.transpose(query, (0, 2, 1, 3))  # (B, N, T, H), once for every chunk
     key_length = key.shape[1]
-    chunk_size = min(chunk_size, key_length)
-    batch, query_length, heads = ops.shape(value)[0], ops.shape(query)[2], value.shape[2]
+    chunk_size = key_length if chunk_size is None else min(chunk_size, key_length)
+    query_length = ops.shape(query)[2]
 
-    def step(start, size, state):
-        # state: running max, normaliser (B, N, T, 1) and weighted sum (B, N, T, Hv).
-        running_max, normaliser, accumulator = state
+    def chunk_scores(start, size):
+        """Masked float32 logits of keys `[start, start + size)` and their mask."""
         logits = attention_logits(query, _slice(key, 1, start, size), "bsnh,bnth->bnts")
         chunk_mask = _slice(mask, 3, start, size) if _masks_keys(mask) else mask
         if is_causal:
@@ -323,27 +348,33 @@ def _chunked_over_keys(query, key, value, *, scale, mask, is_causal, causal_offs
             chunk_mask = masks_lib.logical_and(chunk_mask, ops.expand_dims(causal, 1))
         if chunk_mask is not None:
             logits = ops.where(chunk_mask, logits, _MASKED_LOGIT)
-        # `initial` keeps an empty batch (B == 0) legal on TensorFlow and torch.
-        chunk_max = ops.stop_gradient(
-            ops.max(logits, axis=-1, keepdims=True, initial=_MASKED_LOGIT)
-        )
-        new_max = ops.maximum(running_max, chunk_max)
-        probs = ops.exp(logits - new_max)
+        return logits, chunk_mask
+
+    def weighted(start, size, logits, chunk_mask, reference):
+        """exp(logits - reference), zero where masked, its sum and its product with v."""
+        probs = ops.exp(logits - reference)
         if chunk_mask is not None:
             probs = ops.where(chunk_mask, probs, 0.0)
         values = ops.cast(_slice(value, 1, start, size), "float32")
-        correction = ops.exp(running_max - new_max)
-        normaliser = normaliser * correction + ops.sum(probs, axis=-1, keepdims=True)
-        accumulator = accumulator * correction + ops.einsum("bnts,bsnh->bnth", probs, values)
-        return new_max, normaliser, accumulator
+        return ops.sum(probs, axis=-1, keepdims=True), ops.einsum("bnts,bsnh->bnth", probs, values)
 
-    # Finite, far below any (masked) logit: the first correction is exactly 0.
-    state = (
-        ops.full((batch, heads, query_length, 1), -1e30, "float32"),
-        ops.zeros((batch, heads, query_length, 1), "float32"),
-        ops.zeros((batch, heads, query_length, value.shape[-1]), "float32"),
-    )
-    _, normaliser, accumulator = _loop_over_chunks(step, key_length, chunk_size, state)
+    def chunk_max(logits):
+        # `initial` keeps an empty batch (B == 0) legal on TensorFlow and torch.
+        return ops.stop_gradient(ops.max(logits, axis=-1, keepdims=True, initial=_MASKED_LOGIT))
+
+    def step(start, size, state):
+        # state: running max, normaliser (B, N, T, 1) and weighted sum (B, N, T, Hv).
+        running_max, normaliser, accumulator = state
+        logits, chunk_mask = chunk_scores(start, size)
+        new_max = ops.maximum(running_max, chunk_max(logits))
+        total, product = weighted(start, size, logits, chunk_mask, new_max)
+        correction = ops.exp(running_max - new_max)
+        return new_max, normaliser * correction + total, accumulator * correction + product
+
+    logits, chunk_mask = chunk_scores(0, chunk_size)
+    first_max = chunk_max(logits)
+    state = (first_max, *weighted(0, chunk_size, logits, chunk_mask, first_max))
+    _, normaliser, accumulator = _loop_over_chunks(step, chunk_size, key_length, chunk_size, state)
     has_keys = ops.greater(normaliser, 0.0)
     output = accumulator / ops.where(has_keys, normaliser, 1.0)
     output = ops.where(has_keys, output, 0.0)

@@ -9,7 +9,7 @@ import math
 
 import keras
 from keras import constraints, initializers, ops, regularizers
-from keras.layers import Dropout, EinsumDense
+from keras.layers import Dropout
 
 from keras_mha import cache as cache_lib
 from keras_mha import checks, equations, kernels, norms, projections
@@ -65,12 +65,14 @@ class MultiHeadAttention(keras.layers.Layer):
             attention output per head before the output projection.
         seed: Seed of the attention dropout.
         return_attention_scores: Default for the call argument of the same name.
-        implementation: Which attention kernel runs: `None`/"auto" (chosen per call
-            from the backend and the sizes), "explicit" (materialises the scores),
-            "fused" (`keras.ops.dot_product_attention`), or "chunked" (online
-            softmax over key chunks, no `(T, S)` tensor). Calls that return scores,
-            apply dropout or use N-d attention always run "explicit".
-        chunk_size: Keys per chunk of the "chunked" kernel.
+        implementation: Which attention kernel runs: `None`/"auto" (the fastest
+            measured on the backend: "fused" on torch and on JAX with a GPU,
+            "chunked" elsewhere), "explicit" (materialises the scores), "fused"
+            (the backend's fused kernel), or "chunked" (chunks of keys with an online
+            softmax on JAX and torch, of queries on TensorFlow; never the whole
+            `(T, S)` scores). Calls that return scores, apply dropout or use N-d
+            attention always run "explicit".
+        chunk_size: Keys (or queries) per chunk of the "chunked" kernel.
         num_key_value_heads: Grouped-query attention: number `Nkv` of key/value
             heads, a divisor of `num_heads` (1 is multi-query attention); `None`
             means `num_heads`. Key/value kernels are `(dim, Nkv, key_dim/value_dim)`
@@ -334,7 +336,7 @@ class MultiHeadAttention(keras.layers.Layer):
         equation, bias_axes, output_rank = equations.projection_equation(
             rank - 1, bound_dims=2, output_dims=len(output_dims)
         )
-        self._output_dense = _EinsumDense(
+        self._output_dense = projections.Projection(
             equation,
             output_shape=equations.projection_output_shape(output_rank, output_dims),
             bias_axes=bias_axes if self._use_bias else None,
@@ -354,7 +356,7 @@ class MultiHeadAttention(keras.layers.Layer):
         equation, bias_axes, output_rank = equations.projection_equation(
             rank - 1, bound_dims=1, output_dims=2
         )
-        return _EinsumDense(
+        return projections.Projection(
             equation,
             output_shape=equations.projection_output_shape(output_rank, [heads, size]),
             bias_axes=bias_axes if self._use_bias else None,
@@ -422,9 +424,7 @@ class MultiHeadAttention(keras.layers.Layer):
             key_length=None if cache is None else cache.shape[2],
         )
 
-        projected_query, projected_key, projected_value, gate = self._project(
-            query, key, value, training=training
-        )
+        projected_query, projected_key, projected_value, gate = self._project(query, key, value)
         if self._normalize_qk:
             projected_query = self._query_norm(projected_query)
             projected_key = self._key_norm(projected_key)
@@ -518,7 +518,7 @@ class MultiHeadAttention(keras.layers.Layer):
             return self._return_attention_scores
         return checks.boolean("return_attention_scores", return_attention_scores)
 
-    def _project(self, query, key, value, training=None):
+    def _project(self, query, key, value):
         """Runs the projections; returns `(query, key, value, gate or None)`.
 
         Keras masks are detached while the (mask-unaware) projections run, so they
@@ -531,10 +531,7 @@ class MultiHeadAttention(keras.layers.Layer):
         try:
             gate = self._gate_dense(query) if self._use_gate else None
             denses = (self._query_dense, self._key_dense, self._value_dense)
-            if query is value and key is value and projections.fusable(denses, training):
-                projected = projections.fused_self_projection(denses, query)
-            else:
-                projected = tuple(dense(x) for dense, x in zip(denses, inputs))
+            projected = tuple(dense(x) for dense, x in zip(denses, inputs))
         finally:
             for x, mask in zip(inputs, saved):
                 if mask is not None:
@@ -754,26 +751,3 @@ class MultiHeadAttention(keras.layers.Layer):
             tuple(query.shape[:-1]) + heads, key_positions + heads, axes
         )
         return (output, keras.KerasTensor(scores, dtype=self.compute_dtype), *cache_spec)
-
-
-class _EinsumDense(EinsumDense):
-    """`EinsumDense` whose bias is added with `subtract(x, -bias)`.
-
-    Keras's TensorFlow `ops.add` turns an add whose second operand squeezes to a
-    vector into `tf.nn.bias_add`, channels-first when that vector's length matches
-    axis 1: a `(N, 1)` bias (key_dim 1) on a `(B, T, N, 1)` projection with `T == N`
-    lands on the sequence axis. Same weights and results as `EinsumDense` otherwise.
-    """
-
-    def quantize(self, mode=None, type_check=True, config=None):
-        # Keras refuses to quantize subclasses of EinsumDense; a quantized layer
-        # runs EinsumDense's own quantized call, which this class leaves alone.
-        super().quantize(mode, type_check=False, config=config)
-
-    def call(self, inputs, training=None):
-        x = ops.einsum(self.equation, inputs, self.kernel)
-        if self.bias is not None:
-            x = ops.subtract(x, ops.negative(self.bias))
-        if self.activation is not None:
-            x = self.activation(x)
-        return x

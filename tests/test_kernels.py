@@ -1,5 +1,7 @@
-"""Every attention path against the explicit one, and the fused self-attention projection
-against the three separate projections: outputs and gradients, causal and padding masks."""
+"""Every attention path against the explicit one (outputs and gradients, causal and
+padding masks), the kernel choice, and the projection sublayer against `EinsumDense`."""
+
+import contextlib
 
 import keras
 import numpy as np
@@ -79,6 +81,66 @@ def test_chunked_causal_offset_matches_explicit(rng, over):
     np.testing.assert_allclose(to_numpy(out), _explicit(q, k, v, causal=True, offset=4), atol=ATOL)
 
 
+def _compiled(fn, dynamic_shapes):
+    """`fn` under the backend's compiler; TensorFlow traces with unknown `B` and `T`."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        query = (None, None, N, H) if dynamic_shapes else (B, T, N, H)
+        keys = tf.TensorSpec((B, S, N, H), "float32")
+        return tf.function(fn, input_signature=[tf.TensorSpec(query, "float32"), keys, keys])
+    if backend == "jax":
+        import jax
+
+        return jax.jit(fn)
+    return fn
+
+
+@pytest.mark.parametrize("dynamic_shapes", [False, True])
+def test_query_chunks_compiled_match_explicit(rng, dynamic_shapes):
+    """Query chunks under the backend's compiler; an unknown `T` is one chunk."""
+    q, k, v = _qkv(rng)
+    mask = ops.convert_to_tensor(_padding_mask())
+
+    def fn(q, k, v):
+        return kernels.chunked_attention(
+            q, k, v, scale=H**-0.5, mask=mask, is_causal=True, chunk_size=4, over="queries"
+        )
+
+    out = _compiled(fn, dynamic_shapes)(*(ops.convert_to_tensor(x) for x in (q, k, v)))
+    expected = _explicit(q, k, v, _padding_mask(), causal=True)
+    np.testing.assert_allclose(to_numpy(out), expected, atol=ATOL)
+
+
+def test_query_chunks_are_ordered_in_tensorflow_graphs(rng):
+    """TensorFlow's executor would start every query chunk at once (peak memory of the
+    whole score matrix): chunk `i` waits for chunk `i - IN_FLIGHT`. Elsewhere ops run in
+    program order (torch) or XLA schedules them, and no ordering is added."""
+    q, k, v = (ops.convert_to_tensor(x) for x in _qkv(rng, query_length=16))
+    chunks = 16 // 4
+
+    def fn(q, k, v):
+        return kernels.chunked_attention(q, k, v, scale=H**-0.5, chunk_size=4, over="queries")
+
+    if keras.backend.backend() != "tensorflow":
+        assert isinstance(kernels._after([q]), contextlib.nullcontext)
+        return
+    import tensorflow as tf
+
+    graph = tf.function(fn).get_concrete_function(q, k, v).graph
+    waited_on = {c.name for op in graph.get_operations() for c in op.control_inputs}
+    assert len(waited_on) == chunks - kernels.IN_FLIGHT
+
+
+@pytest.mark.parametrize("over", ["keys", "queries"])
+def test_chunked_empty_batch(over):
+    q = np.zeros((0, T, N, H), "float32")
+    kv = np.zeros((0, S, N, H), "float32")
+    out = kernels.chunked_attention(q, kv, kv, scale=H**-0.5, chunk_size=4, over=over)
+    assert tuple(out.shape) == (0, T, N, H)
+
+
 @pytest.mark.parametrize("masking", ["none", "causal", "padding"])
 def test_fused_matches_explicit(rng, masking):
     q, k, v = _qkv(rng)
@@ -141,8 +203,7 @@ def test_layer_paths_agree_outputs_and_gradients(rng, causal):
             np.testing.assert_allclose(g, ref, atol=1e-4)
 
 
-def test_auto_picks_chunked_for_long_sequences_and_keeps_results(rng, monkeypatch):
-    monkeypatch.setattr(kernels, "CHUNK_THRESHOLD", 16)
+def test_auto_picks_chunked_and_keeps_results(rng, monkeypatch):
     calls = []
     original = kernels.chunked_attention
     monkeypatch.setattr(
@@ -169,58 +230,42 @@ def test_choose_implementation_rules():
         kernels.choose_implementation(None, need_weights=False, dropout_active=True, **common)
         == "explicit"
     )
+    expected = "fused" if keras.backend.backend() == "torch" else "chunked"
     long = kernels.choose_implementation(None, need_weights=False, dropout_active=False, **common)
-    assert long == ("fused" if keras.backend.backend() == "torch" else "chunked")
-    unknown = dict(common, key_length=None)
+    assert long == expected
+    short = dict(common, query_length=16, key_length=16)
     assert (
-        kernels.choose_implementation(
-            "chunked", need_weights=False, dropout_active=False, **unknown
+        kernels.choose_implementation(None, need_weights=False, dropout_active=False, **short)
+        == expected
+    )
+    for requested in kernels.IMPLEMENTATIONS:
+        assert (
+            kernels.choose_implementation(
+                requested, need_weights=False, dropout_active=False, **short
+            )
+            == requested
         )
-        == "explicit"
+    # Chunks over keys need a static `S`; TensorFlow chunks over queries.
+    unknown = dict(common, query_length=None, key_length=None)
+    assert kernels.choose_implementation(
+        "chunked", need_weights=False, dropout_active=False, **unknown
+    ) == ("chunked" if keras.backend.backend() == "tensorflow" else "explicit")
+
+
+# ------------------------------------------------------------------- projections
+@pytest.mark.parametrize("key_dim", [1, 4])
+def test_projection_matches_einsum_dense(rng, key_dim):
+    """`projections.Projection` is `EinsumDense` with the same weights, bias included,
+    also where TensorFlow's `ops.add` would put a `(N, 1)` bias on the sequence axis."""
+    x = rng.standard_normal((2, 3, 8)).astype("float32")
+    ours = projections.Projection("abc,cde->abde", output_shape=(None, 3, key_dim), bias_axes="de")
+    reference = keras.layers.EinsumDense(
+        "abc,cde->abde", output_shape=(None, 3, key_dim), bias_axes="de"
     )
-
-
-# ------------------------------------------------------------------- fused projection
-def test_fused_projection_matches_three_projections(rng):
-    (layer,) = _layers(["explicit"])
-    x = ops.convert_to_tensor(rng.standard_normal((B, T, 8)).astype("float32"))
-    denses = (layer.query_dense, layer.key_dense, layer.value_dense)
-    for d in denses:  # non-zero biases, so a dropped or misplaced bias shows
-        d.bias.assign(rng.standard_normal(tuple(d.bias.shape)).astype("float32"))
-    assert projections.can_fuse(denses)
-    assert projections.fusable(denses) == (keras.backend.backend() == "jax")
-    fused = projections.fused_self_projection(denses, x)
-    for got, dense in zip(fused, denses):
-        assert tuple(got.shape) == (B, T, N, H)
-        np.testing.assert_allclose(to_numpy(got), to_numpy(dense(x)), atol=1e-5)
-
-
-def test_self_attention_runs_the_fused_projection_with_the_same_results(rng, monkeypatch):
-    # Where it does not pay off by default (TensorFlow, torch), the hook is still tested.
-    monkeypatch.setattr(projections, "pays_off", lambda training=None: True)
-    calls = []
-    original = projections.fused_self_projection
-    monkeypatch.setattr(
-        projections, "fused_self_projection", lambda *a: calls.append(1) or original(*a)
-    )
-    (layer,) = _layers(["explicit"], value_dim=5)
-    x = rng.standard_normal((B, T, 8)).astype("float32")
-    same = ops.convert_to_tensor(x)
-    fused = to_numpy(layer(same, same))
-    assert calls, "self-attention did not take the fused projection"
-    calls.clear()
-    separate = to_numpy(layer(same, ops.convert_to_tensor(x)))  # equal values, other tensor
-    assert not calls
-    np.testing.assert_allclose(fused, separate, atol=1e-5)
-
-
-def test_lora_disables_the_fused_projection(rng):
-    (layer,) = _layers(["explicit"])
-    layer.query_dense.enable_lora(2)
-    assert not projections.can_fuse((layer.query_dense, layer.key_dense, layer.value_dense))
-
-
-def test_fusion_runs_where_it_measured_faster():
-    backend = keras.backend.backend()
-    assert projections.pays_off(training=False) == (backend == "jax")
-    assert not projections.pays_off(training=True)
+    ours.build(x.shape)
+    reference.build(x.shape)
+    bias = rng.standard_normal((3, key_dim)).astype("float32")
+    ours.set_weights([reference.get_weights()[0], bias])
+    expected = x @ reference.get_weights()[0].reshape(8, -1)
+    expected = expected.reshape(2, 3, 3, key_dim) + bias
+    np.testing.assert_allclose(to_numpy(ours(x)), expected, atol=1e-5)

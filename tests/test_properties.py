@@ -302,7 +302,7 @@ def _call(layer, query, value, key, kwargs, scores=False):
 
 # --------------------------------------------------------------------------- tests
 # Found by this test: on TensorFlow, Keras's `ops.add` added a `(N, 1)` bias along
-# the sequence axis when T == N (see `layer._EinsumDense`).
+# the sequence axis when T == N (see `projections.add_bias`).
 _BIAS_ON_SEQUENCE_AXIS = dict(
     rank=3,
     batch=1,
