@@ -69,7 +69,7 @@ class MultiHeadAttention(keras.layers.Layer):
             measured on the backend: "fused" on torch and on JAX with a GPU,
             "chunked" elsewhere), "explicit" (materialises the scores), "fused"
             (the backend's fused kernel), or "chunked" (chunks of keys with an online
-            softmax on JAX and torch, of queries on TensorFlow; never the whole
+            softmax on JAX, of queries elsewhere; never the whole
             `(T, S)` scores). Calls that return scores, apply dropout or use N-d
             attention always run "explicit".
         chunk_size: Keys (or queries) per chunk of the "chunked" kernel.

@@ -245,11 +245,12 @@ def test_choose_implementation_rules():
             )
             == requested
         )
-    # Chunks over keys need a static `S`; TensorFlow chunks over queries.
+    # Chunks over keys need a static `S`; chunks over queries do not.
     unknown = dict(common, query_length=None, key_length=None)
+    over = kernels.CHUNK_OVER[keras.backend.backend()]
     assert kernels.choose_implementation(
         "chunked", need_weights=False, dropout_active=False, **unknown
-    ) == ("chunked" if keras.backend.backend() == "tensorflow" else "explicit")
+    ) == ("chunked" if over == "queries" else "explicit")
 
 
 # ------------------------------------------------------------------- projections
