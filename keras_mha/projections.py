@@ -16,14 +16,14 @@ from keras.layers import EinsumDense
 def add_bias(x, bias):
     """`x + bias`, the bias broadcast over leading axes.
 
-    On TensorFlow as `subtract(x, -bias)`: Keras's TensorFlow `ops.add` turns an add
-    whose second operand squeezes to a vector into `tf.nn.bias_add`, channels-first
-    when that vector's length matches axis 1, so a `(N, 1)` bias (key_dim 1) on a
-    `(B, T, N, 1)` projection with `T == N` would land on the sequence axis. Other
-    backends add: torch's backward of a subtract negates the whole gradient (~2 ms a
-    training step at B=8, T=256, dim 512).
+    Keras's TensorFlow `ops.add` turns an add whose second operand squeezes to a
+    vector into `tf.nn.bias_add`, channels-first when that vector's length is not
+    `x`'s last dimension but matches axis 1: a `(N, 1)` bias (key_dim 1) on a
+    `(B, T, N, 1)` projection with `T == N` would land on the sequence axis. Such
+    biases (last dimension 1) are added there as `subtract(x, -bias)`; every other
+    bias squeezes to `x`'s last dimension or not at all, and adds as usual.
     """
-    if backend.backend() == "tensorflow":
+    if backend.backend() == "tensorflow" and bias.shape[-1] == 1:
         return ops.subtract(x, ops.negative(bias))
     return ops.add(x, bias)
 
