@@ -42,7 +42,7 @@ import numpy as np
 BACKENDS = ("tensorflow", "jax", "torch")
 ATOL = 1e-4
 DEFAULT_REPEATS = 7
-QUICK_REPEATS = 5
+QUICK_REPEATS = 21
 WARMUP = 2
 
 RECORD_KEYS = (

@@ -193,7 +193,9 @@ def _torch_attention(query, key, value, *, mask, scale, is_causal):
 
     What Keras's torch `dot_product_attention` runs, minus its copies: it makes the
     transposed query, key and value contiguous (and the output projection then copies
-    the transposed result back), while torch's kernels take the strided views.
+    the transposed result back), while torch's kernels take the strided views. At
+    B=8, T=256 the copies cost ~30% of the kernel's time; at T=S=8192 (where every
+    query block rereads the keys) strided and contiguous inputs measured within 2%.
     """
     import torch
 
