@@ -57,13 +57,19 @@ def _models(batch, length, dim, heads):
 
 
 def _median_pairs(functions, pairs, warmup=2):
-    """Median seconds of each function, called alternately `pairs` times after warm-up."""
+    """Median seconds of each function, called alternately `pairs` times after warm-up.
+
+    Every other pair runs in reverse order (A B, B A, ...): the call that follows
+    another one was measurably slower at T=8192 on torch, and a fixed order would
+    hand that cost to the same function every time.
+    """
     for _ in range(warmup):
         for f in functions:
             f()
     times = [[] for _ in functions]
-    for _ in range(pairs):
-        for f, bucket in zip(functions, times):
+    for i in range(pairs):
+        order = list(zip(functions, times))
+        for f, bucket in order[::-1] if i % 2 else order:
             start = time.perf_counter()
             f()
             bucket.append(time.perf_counter() - start)

@@ -389,7 +389,8 @@ def _input_gradients(model, inputs, cotangent, wants_scores):
 
 
 def _time_models(record, ours, builtin, inputs, repeats):
-    """Median ms of `predict_on_batch` and `train_on_batch`, alternating the two."""
+    """Median ms of `predict_on_batch` and `train_on_batch`, alternating the two
+    (A B, B A, ...)."""
     models = {"ours": ours}
     if builtin is not None:
         models["builtin"] = builtin
@@ -410,8 +411,11 @@ def _time_models(record, ours, builtin, inputs, repeats):
                     raise
                 record["builtin_error"] = record["builtin_error"] or _error_text(error)
                 del models[name]
-        for _ in range(repeats):
-            for name, built in models.items():
+        for i in range(repeats):
+            # Every other round in reverse order: the second call of a pair can be
+            # the slower one, and a fixed order would always charge the same side.
+            order = list(models.items())
+            for name, built in order[::-1] if i % 2 else order:
                 start = time.perf_counter()
                 step(built)
                 times[name].append((time.perf_counter() - start) * 1e3)

@@ -141,8 +141,12 @@ def test_chunked_empty_batch(over):
     assert tuple(out.shape) == (0, T, N, H)
 
 
+@pytest.mark.parametrize("copies", [False, True], ids=["views", "copies"])
 @pytest.mark.parametrize("masking", ["none", "causal", "padding"])
-def test_fused_matches_explicit(rng, masking):
+def test_fused_matches_explicit(rng, masking, copies, monkeypatch):
+    """Torch takes heads-first views of short keys and copies of long ones (every
+    backend runs both cases; only torch tells them apart)."""
+    monkeypatch.setattr(kernels, "CONTIGUOUS_KEYS_FROM", 1 if copies else 10**9)
     q, k, v = _qkv(rng)
     mask = _padding_mask() if masking == "padding" else None
     if masking == "causal":
@@ -181,10 +185,14 @@ def _layers(implementations, **config):
     return layers
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_layer_paths_agree_outputs_and_gradients(rng, causal):
+@pytest.mark.parametrize(
+    "causal, copies", [(False, False), (True, False), (True, True)], ids=["plain", "causal", "copies"]
+)
+def test_layer_paths_agree_outputs_and_gradients(rng, causal, copies, monkeypatch):
     """explicit / fused / chunked through the layer, with a padding mask: loss (a function
-    of every output) and gradients, fully-masked rows included (finite gradients)."""
+    of every output) and gradients, fully-masked rows included (finite gradients); on
+    torch the fused path also with heads-first copies of the keys and values."""
+    monkeypatch.setattr(kernels, "CONTIGUOUS_KEYS_FROM", 1 if copies else 10**9)
     x = rng.standard_normal((B, T, 8)).astype("float32")
     key_mask = np.ones((B, T), bool)
     key_mask[0, 5:] = False
@@ -270,3 +278,26 @@ def test_projection_matches_einsum_dense(rng, key_dim):
     expected = x @ reference.get_weights()[0].reshape(8, -1)
     expected = expected.reshape(2, 3, 3, key_dim) + bias
     np.testing.assert_allclose(to_numpy(ours(x)), expected, atol=1e-5)
+
+
+def test_projection_gradients_match_einsum_dense(rng):
+    """The bias add (in place on torch) leaves the input alone and gives `EinsumDense`'s
+    gradients for the input, the kernel and the bias."""
+    x = rng.standard_normal((2, 5, 8)).astype("float32")
+    before = x.copy()
+    layers = [
+        cls("abc,cde->abde", output_shape=(None, 3, 4), bias_axes="de")
+        for cls in (projections.Projection, keras.layers.EinsumDense)
+    ]
+    for layer in layers:
+        layer.build(x.shape)
+    layers[0].set_weights([w + 0.5 for w in layers[1].get_weights()])
+    layers[1].set_weights(layers[0].get_weights())
+    (ours_loss, ours_inputs, ours_weights), (loss, inputs, weights) = (
+        gradients(layer, {"inputs": x}) for layer in layers
+    )
+    np.testing.assert_allclose(ours_loss, loss, rtol=1e-6)
+    np.testing.assert_allclose(ours_inputs["inputs"], inputs["inputs"], atol=1e-5)
+    for ours_grad, grad in zip(ours_weights, weights):
+        np.testing.assert_allclose(ours_grad, grad, atol=1e-5)
+    np.testing.assert_array_equal(x, before)
