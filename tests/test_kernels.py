@@ -186,7 +186,9 @@ def _layers(implementations, **config):
 
 
 @pytest.mark.parametrize(
-    "causal, copies", [(False, False), (True, False), (True, True)], ids=["plain", "causal", "copies"]
+    "causal, copies",
+    [(False, False), (True, False), (True, True)],
+    ids=["plain", "causal", "copies"],
 )
 def test_layer_paths_agree_outputs_and_gradients(rng, causal, copies, monkeypatch):
     """explicit / fused / chunked through the layer, with a padding mask: loss (a function
