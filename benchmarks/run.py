@@ -304,7 +304,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--pairs", type=int, default=25)
-    parser.add_argument("--long-pairs", type=int, default=7)
+    parser.add_argument("--long-pairs", type=int, default=21)
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--worker", choices=("speed", "long_time", "memory"), help="internal")
     parser.add_argument("--which", choices=("ours", "builtin"), help="internal")
