@@ -5,13 +5,13 @@ Each backend runs in its own child process (Keras picks its backend once per pro
 
 - speed: self-attention, B=8, T=256, dim 512, 8 heads; `predict_on_batch` and
   `train_on_batch` of a functional model, ours and the built-in (identical weights)
-  alternated in pairs after a warm-up, medians kept; plus the matmul floor, the
-  layer's FLOPs over the backend's own measured matmul throughput;
+  alternated in rounds after a warm-up (see `_median_pairs`), medians kept; plus the
+  matmul floor, the layer's FLOPs over the backend's own measured matmul throughput;
 - long sequences: B=1, T=S=8192, dim 256, 4 heads, no scores: forward time (alternated
-  pairs) and the growth of peak RSS from T=256 to T=8192, each configuration in a fresh
+  rounds) and the growth of peak RSS from T=256 to T=8192, each configuration in a fresh
   child process (`ru_maxrss` sees native buffers, which `tracemalloc` does not).
 
-    .venv/bin/python benchmarks/run.py              # every backend, ~10 minutes on 2 cores
+    .venv/bin/python benchmarks/run.py              # every backend, ~12 minutes on 2 cores
     .venv/bin/python benchmarks/run.py --backends jax --pairs 5
 """
 
@@ -57,11 +57,14 @@ def _models(batch, length, dim, heads):
 
 
 def _median_pairs(functions, pairs, warmup=2):
-    """Median seconds of each function, called alternately `pairs` times after warm-up.
+    """Median seconds of each function over `pairs` alternated rounds, after warm-up.
 
-    Every other pair runs in reverse order (A B, B A, ...): the call that follows
-    another one was measurably slower at T=8192 on torch, and a fixed order would
-    hand that cost to the same function every time.
+    In each round every function runs twice and only its second call is timed, so a
+    timed call always follows a call of the same function: what one layer pays for
+    the memory the other left behind stays out of its time. With single alternated
+    calls the built-in's T=8192 TensorFlow forward took 2.1-2.5 s after itself and
+    3.0-4.2 s after ours (2026-11-22), which flipped the ratio between runs. Every
+    other round runs the functions in reverse order (A B, B A, ...).
     """
     for _ in range(warmup):
         for f in functions:
@@ -70,6 +73,7 @@ def _median_pairs(functions, pairs, warmup=2):
     for i in range(pairs):
         order = list(zip(functions, times))
         for f, bucket in order[::-1] if i % 2 else order:
+            f()
             start = time.perf_counter()
             f()
             bucket.append(time.perf_counter() - start)
@@ -173,7 +177,7 @@ def long_time_worker(pairs):
     ours, builtin = _models(b, t, d, n)
     x = np.random.default_rng(0).standard_normal((b, t, d)).astype("float32")
     times = _median_pairs(
-        [lambda: ours.predict_on_batch(x), lambda: builtin.predict_on_batch(x)], pairs, warmup=1
+        [lambda: ours.predict_on_batch(x), lambda: builtin.predict_on_batch(x)], pairs, warmup=0
     )
     return dict(ours_long_ms=times[0] * 1e3, builtin_long_ms=times[1] * 1e3)
 
@@ -243,7 +247,8 @@ def markdown(records, pairs, long_pairs):
         f"faster or leaner).",
         "",
         f"Self-attention B={SPEED['batch']}, T={SPEED['length']}, dim {SPEED['dim']}, "
-        f"{SPEED['heads']} heads: medians of {pairs} alternated pairs (ms); floor = layer "
+        f"{SPEED['heads']} heads: medians of {pairs} alternated rounds (ms; each timed call "
+        f"follows an untimed one of the same layer); floor = layer "
         f"FLOPs / the backend's best measured {MATMUL_SIZE}x{MATMUL_SIZE} matmul throughput.",
         "",
         "| backend | predict ours | built-in | ratio | floor | train ours | built-in | ratio "
@@ -261,7 +266,7 @@ def markdown(records, pairs, long_pairs):
     lines += [
         "",
         f"Long sequences B={LONG['batch']}, T=S={LONG['length']}, dim {LONG['dim']}, "
-        f"{LONG['heads']} heads, no scores: forward medians of {long_pairs} alternated pairs "
+        f"{LONG['heads']} heads, no scores: forward medians of {long_pairs} alternated rounds "
         f"(ms); growth of peak RSS from T={LONG['short_length']} to T={LONG['length']} "
         f"(MiB, a fresh process per configuration).",
         "",
@@ -304,7 +309,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--pairs", type=int, default=25)
-    parser.add_argument("--long-pairs", type=int, default=21)
+    parser.add_argument("--long-pairs", type=int, default=15)
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--worker", choices=("speed", "long_time", "memory"), help="internal")
     parser.add_argument("--which", choices=("ours", "builtin"), help="internal")
