@@ -77,7 +77,15 @@ def _median_pairs(functions, pairs, warmup=2):
             start = time.perf_counter()
             f()
             bucket.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+    return [statistics.median(t) for t in times], _ratio_quartiles(*times)
+
+
+def _ratio_quartiles(ours, builtin):
+    """First and third quartiles of the per-round ratios ours / built-in: how far the
+    machine's drift moves a ratio that the medians summarise."""
+    ratios = [a / b for a, b in zip(ours, builtin)]
+    quartiles = statistics.quantiles(ratios, n=4)
+    return quartiles[0], quartiles[2]
 
 
 def _matmul_flops_per_second():
@@ -149,12 +157,12 @@ def speed_worker(pairs):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((b, t, d)).astype("float32")
     y = rng.standard_normal((b, t, d)).astype("float32")
-    predict = _median_pairs(
+    predict, predict_spread = _median_pairs(
         [lambda: ours.predict_on_batch(x), lambda: builtin.predict_on_batch(x)], pairs
     )
     for model in (ours, builtin):
         model.compile(optimizer="sgd", loss="mse")
-    train = _median_pairs(
+    train, train_spread = _median_pairs(
         [lambda: ours.train_on_batch(x, y), lambda: builtin.train_on_batch(x, y)], pairs
     )
     flops, train_flops = _layer_flops(b, t, d)
@@ -164,6 +172,8 @@ def speed_worker(pairs):
         builtin_predict_ms=predict[1] * 1e3,
         ours_train_ms=train[0] * 1e3,
         builtin_train_ms=train[1] * 1e3,
+        predict_ratio_quartiles=predict_spread,
+        train_ratio_quartiles=train_spread,
         matmul_gflops=throughput / 1e9,
         floor_predict_ms=flops / throughput * 1e3,
         floor_train_ms=train_flops / throughput * 1e3,
@@ -176,10 +186,12 @@ def long_time_worker(pairs):
     b, t, d, n = LONG["batch"], LONG["length"], LONG["dim"], LONG["heads"]
     ours, builtin = _models(b, t, d, n)
     x = np.random.default_rng(0).standard_normal((b, t, d)).astype("float32")
-    times = _median_pairs(
+    times, spread = _median_pairs(
         [lambda: ours.predict_on_batch(x), lambda: builtin.predict_on_batch(x)], pairs, warmup=0
     )
-    return dict(ours_long_ms=times[0] * 1e3, builtin_long_ms=times[1] * 1e3)
+    return dict(
+        ours_long_ms=times[0] * 1e3, builtin_long_ms=times[1] * 1e3, long_ratio_quartiles=spread
+    )
 
 
 def memory_worker(which, length):
@@ -239,12 +251,18 @@ def run_backend(backend, pairs, long_pairs):
     return record
 
 
+def _spread(record, step):
+    low, high = record[f"{step}_ratio_quartiles"]
+    return f"({low:.2f}-{high:.2f})"
+
+
 def markdown(records, pairs, long_pairs):
     date = datetime.date.today().isoformat()
     lines = [
         f"Measured {date} on {platform.machine()}, {os.cpu_count()} CPU cores, no GPU, with "
         f"`make bench` (`benchmarks/run.py`). Ratios are ours / built-in (below 1: ours is "
-        f"faster or leaner).",
+        f"faster or leaner); a time ratio is that of the medians, followed by the first and "
+        f"third quartiles of the per-round ratios.",
         "",
         f"Self-attention B={SPEED['batch']}, T={SPEED['length']}, dim {SPEED['dim']}, "
         f"{SPEED['heads']} heads: medians of {pairs} alternated rounds (ms; each timed call "
@@ -258,9 +276,10 @@ def markdown(records, pairs, long_pairs):
     for r in records:
         lines.append(
             f"| {r['backend']} | {r['ours_predict_ms']:.1f} | {r['builtin_predict_ms']:.1f} "
-            f"| **{r['predict_ratio']:.2f}x** | {r['floor_predict_ms']:.1f} "
+            f"| **{r['predict_ratio']:.2f}x** {_spread(r, 'predict')} "
+            f"| {r['floor_predict_ms']:.1f} "
             f"| {r['ours_train_ms']:.1f} | {r['builtin_train_ms']:.1f} "
-            f"| **{r['train_ratio']:.2f}x** | {r['floor_train_ms']:.1f} "
+            f"| **{r['train_ratio']:.2f}x** {_spread(r, 'train')} | {r['floor_train_ms']:.1f} "
             f"| {r['matmul_gflops']:.0f} |"
         )
     lines += [
@@ -276,7 +295,7 @@ def markdown(records, pairs, long_pairs):
     for r in records:
         lines.append(
             f"| {r['backend']} | {r['ours_long_ms']:.0f} | {r['builtin_long_ms']:.0f} "
-            f"| **{r['long_ratio']:.2f}x** | {r['ours_growth_mib']:.0f} "
+            f"| **{r['long_ratio']:.2f}x** {_spread(r, 'long')} | {r['ours_growth_mib']:.0f} "
             f"| {r['builtin_growth_mib']:.0f} | **{r['growth_ratio']:.2f}x** |"
         )
     return "\n".join(lines) + "\n"
