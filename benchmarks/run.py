@@ -11,7 +11,7 @@ Each backend runs in its own child process (Keras picks its backend once per pro
   rounds) and the growth of peak RSS from T=256 to T=8192, each configuration in a fresh
   child process (`ru_maxrss` sees native buffers, which `tracemalloc` does not).
 
-    .venv/bin/python benchmarks/run.py              # every backend, ~12 minutes on 2 cores
+    .venv/bin/python benchmarks/run.py              # every backend, ~9 minutes on 2 cores
     .venv/bin/python benchmarks/run.py --backends jax --pairs 5
 """
 
