@@ -72,7 +72,10 @@ class MultiHeadAttention(keras.layers.Layer):
             softmax on JAX, of queries elsewhere; never the whole
             `(T, S)` scores). Calls that return scores, apply dropout or use N-d
             attention always run "explicit".
-        chunk_size: Keys (or queries) per chunk of the "chunked" kernel.
+        chunk_size: Keys (or queries) per chunk of the "chunked" kernel; `None`
+            takes the backend's measured default (`kernels.DEFAULT_CHUNK_SIZE`:
+            128 queries on TensorFlow, 256 keys on JAX, 256 queries on torch),
+            chosen when the layer runs, so a saved layer keeps it on any backend.
         num_key_value_heads: Grouped-query attention: number `Nkv` of key/value
             heads, a divisor of `num_heads` (1 is multi-query attention); `None`
             means `num_heads`. Key/value kernels are `(dim, Nkv, key_dim/value_dim)`
@@ -152,7 +155,7 @@ class MultiHeadAttention(keras.layers.Layer):
         seed=None,
         return_attention_scores=False,
         implementation=None,
-        chunk_size=kernels.DEFAULT_CHUNK_SIZE,
+        chunk_size=None,
         num_key_value_heads=None,
         normalize_qk=False,
         **kwargs,
@@ -183,7 +186,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if implementation == "auto":
             implementation = None
         checks.one_of("implementation", implementation, (None,) + kernels.IMPLEMENTATIONS)
-        chunk_size = checks.positive_int("chunk_size", chunk_size)
+        chunk_size = checks.positive_int("chunk_size", chunk_size, allow_none=True)
         super().__init__(**kwargs)
         self.supports_masking = True
         self._num_heads = num_heads

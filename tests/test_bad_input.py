@@ -63,7 +63,7 @@ CONSTRUCTOR_CASES = [
     _param("implementation-int", {"implementation": 1}, "implementation", "1"),
     _param("chunk_size-zero", {"chunk_size": 0}, "chunk_size", "0"),
     _param("chunk_size-negative", {"chunk_size": -512}, "chunk_size", "-512"),
-    _param("chunk_size-none", {"chunk_size": None}, "chunk_size", "None"),
+    _param("chunk_size-float", {"chunk_size": 128.0}, "chunk_size", "128.0"),
     _param("num_key_value_heads-zero", {"num_key_value_heads": 0}, "num_key_value_heads", "0"),
     _param(
         "num_key_value_heads-not-divisor",

@@ -230,6 +230,31 @@ def test_auto_picks_chunked_and_keeps_results(rng, monkeypatch):
     assert bool(calls) == (keras.backend.backend() != "torch")
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_chunk_size_none_takes_the_backend_default(rng, monkeypatch, chunk_size):
+    """`chunk_size=None` reaches the chunked kernel as this backend's default, chosen
+    at call time; it stays `None` in the config, so a reloaded layer re-chooses."""
+    seen = []
+    for name in ("_chunked_over_queries", "_chunked_over_keys"):
+        original = getattr(kernels, name)
+
+        def spy(*a, _original=original, **k):
+            seen.append(k["chunk_size"])
+            return _original(*a, **k)
+
+        monkeypatch.setattr(kernels, name, spy)
+    layer = keras_mha.MultiHeadAttention(
+        num_heads=N, key_dim=H, implementation="chunked", chunk_size=chunk_size
+    )
+    x = rng.standard_normal((B, T, 8)).astype("float32")
+    layer(x, x)
+    expected = chunk_size or kernels.DEFAULT_CHUNK_SIZE[keras.backend.backend()]
+    assert seen == [expected]
+    config = layer.get_config()
+    assert config["chunk_size"] == chunk_size
+    assert keras_mha.MultiHeadAttention.from_config(config).get_config() == config
+
+
 def test_choose_implementation_rules():
     common = dict(projected_rank=4, same_head_dims=True, query_length=8192, key_length=8192)
     assert (
