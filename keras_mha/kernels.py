@@ -311,7 +311,7 @@ def _chunked_over_queries(query, key, value, *, scale, mask, is_causal, causal_o
 
     outputs = []
     for start, size in chunks:
-        with _after(outputs[-IN_FLIGHT : -IN_FLIGHT + 1]):
+        with _after(outputs[-IN_FLIGHT:][:1] if len(outputs) >= IN_FLIGHT else []):
             whole = len(chunks) == 1
             chunk = query if whole else _slice(query, 2, start, size)
             chunk_mask = mask
