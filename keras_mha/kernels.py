@@ -23,9 +23,9 @@ IMPLEMENTATIONS = ("explicit", "fused", "chunked")
 
 # Chunk size of `chunked_attention` per backend when none is given, by measurement:
 # TensorFlow's query chunks of 128 rows took 0.74x the time of 256-row chunks at
-# T=S=8192 (B=1, 4 heads: 16 MiB of float32 scores per chunk instead of 32) and
-# 0.94x at B=8, T=256; JAX's key chunks of 256 beat 128 at T=256 (one chunk, 0.91x)
-# and tie at T=8192 (2 CPU cores, 2026-11-23).
+# T=S=8192 (B=1, 4 heads: 16 MiB of float32 scores per chunk instead of 32) and the
+# same within noise at B=8, T=256; JAX's key chunks of 256 took 0.91x the forward time
+# of 128 at T=256 (one chunk) and tied at T=8192 (2 CPU cores, 2026-11-23).
 DEFAULT_CHUNK_SIZE = {"tensorflow": 128, "jax": 256, "torch": 256}
 # How `chunked_attention` chunks on each backend, by measurement (see its docstring).
 CHUNK_OVER = {"tensorflow": "queries", "jax": "keys", "torch": "queries"}

@@ -75,7 +75,7 @@ class MultiHeadAttention(keras.layers.Layer):
         chunk_size: Keys (or queries) per chunk of the "chunked" kernel; `None`
             takes the backend's measured default (`kernels.DEFAULT_CHUNK_SIZE`:
             128 queries on TensorFlow, 256 keys on JAX, 256 queries on torch),
-            chosen when the layer runs, so a saved layer keeps it on any backend.
+            chosen when the layer runs, so a saved layer re-chooses where it loads.
         num_key_value_heads: Grouped-query attention: number `Nkv` of key/value
             heads, a divisor of `num_heads` (1 is multi-query attention); `None`
             means `num_heads`. Key/value kernels are `(dim, Nkv, key_dim/value_dim)`
