@@ -5,6 +5,7 @@ The math lives in `kernels.py`, the masks in `masks.py`, the einsum bookkeeping 
 call -> masks -> projections -> attention kernel -> output projection.
 """
 
+import dataclasses
 import math
 
 import keras
@@ -438,31 +439,25 @@ class MultiHeadAttention(keras.layers.Layer):
         projected_key, projected_value = self._repeat_key_value_heads(
             projected_key, projected_value
         )
-        # Decoding: the new queries sit at `cache_update_index ...` in the cache.
-        offset = {} if cache_update_index is None else {"query_offset": cache_update_index}
-        overridden = type(self)._compute_attention is not MultiHeadAttention._compute_attention
-        mask = self._compute_attention_mask(
-            query,
-            value if cache is None else projected_key,
+        masks = dict(
             query_mask=query_mask,
             value_mask=value_mask,
             key_mask=key_mask,
             attention_mask=attention_mask,
-            # Our own `_compute_attention` takes causality as a flag, so kernels
-            # can apply it without building a (T, S) mask; an override written for
-            # the built-in receives it merged into the mask, as it expects.
-            use_causal_mask=use_causal_mask and overridden,
-            **offset,
+            use_causal_mask=use_causal_mask,
+            # Decoding: the new queries sit at `cache_update_index ...` in the cache.
+            query_offset=cache_update_index,
         )
-        extra = {"use_causal_mask": True, **offset} if use_causal_mask and not overridden else {}
+        if type(self)._compute_attention is MultiHeadAttention._compute_attention:
+            mask = self._describe_masks(projected_query, projected_key, **masks)
+        else:
+            # An override written for the built-in receives its dense mask, causality
+            # merged in, as it expects.
+            mask = self._compute_attention_mask(
+                query, value if cache is None else projected_key, **masks
+            )
         attention_output, scores = self._compute_attention(
-            projected_query,
-            projected_key,
-            projected_value,
-            mask,
-            training,
-            need_scores,
-            **extra,
+            projected_query, projected_key, projected_value, mask, training, need_scores
         )
         if gate is not None:
             attention_output = ops.multiply(attention_output, gate)
@@ -572,6 +567,63 @@ class MultiHeadAttention(keras.layers.Layer):
         checks.mask("attention_mask", mask, batch + extra + query_dims + key_dims)
 
     # -------------------------------------------------------------------- attention
+    def _describe_masks(
+        self,
+        query,
+        key,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        use_causal_mask=False,
+        query_offset=None,
+    ):
+        """The call's masks as one `masks.AttentionMask` (or `None`).
+
+        Args:
+            query: projected `(B, T, N, H)` (or N-d); key: projected `(B, S, N, H)`.
+            query_mask: `(B, T)`; value_mask, key_mask: `(B, S)` padding masks.
+            attention_mask: broadcastable to `(B, T, S)` or `(B, N, T, S)`.
+            use_causal_mask: causal masking.
+            query_offset: position of the first query among the keys (KV-cache
+                decoding); `None` means 0.
+        """
+        if len(self._attention_axes) == 1 and len(query.shape) == 4:
+            return masks_lib.describe(
+                query_mask=query_mask,
+                value_mask=value_mask,
+                key_mask=key_mask,
+                attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask,
+                sliding_window=self._sliding_window,
+                offset=query_offset,
+            )
+        # N-d attention: the explicit kernel takes one dense mask in the scores' layout.
+        dense = self._compute_attention_mask(
+            query,
+            key,
+            query_mask=query_mask,
+            value_mask=value_mask,
+            key_mask=key_mask,
+            attention_mask=attention_mask,
+            use_causal_mask=use_causal_mask,
+            query_offset=query_offset,
+        )
+        return self._dense_mask(dense, len(query.shape))
+
+    def _dense_mask(self, mask, projected_rank):
+        """A dense mask (the built-in's `(B, T, S)` form) as an `AttentionMask`."""
+        mask = masks_lib.as_bool(mask)
+        if mask is None:
+            return None
+        num_axes = len(self._attention_axes)
+        if projected_rank == 4 and num_axes == 1:
+            return masks_lib.describe(attention_mask=mask)
+        scores_rank = projected_rank - 1 + num_axes
+        return masks_lib.AttentionMask(
+            dense=masks_lib.expand_to_scores(mask, scores_rank, num_axes)
+        )
+
     def _compute_attention_mask(
         self,
         query,
@@ -583,7 +635,8 @@ class MultiHeadAttention(keras.layers.Layer):
         use_causal_mask=False,
         query_offset=None,
     ):
-        """Merges the Keras masks, `attention_mask`, causal and window masks.
+        """Merges the Keras masks, `attention_mask`, causal and window masks into the
+        built-in's dense form (what overrides of `_compute_attention` expect).
 
         Args:
             query: `(B, T, ...)`; value: `(B, S, ...)` (inputs or projections).
@@ -622,7 +675,7 @@ class MultiHeadAttention(keras.layers.Layer):
             len(self._attention_axes),
         )
         axes = tuple(range(-len(self._attention_axes), 0))
-        weights = kernels.masked_softmax(attention_scores, mask, axes)
+        weights, _ = kernels.logits.softmax(ops.cast(attention_scores, "float32"), mask, axes)
         return ops.cast(weights, attention_scores.dtype)
 
     def _compute_attention(
@@ -634,7 +687,6 @@ class MultiHeadAttention(keras.layers.Layer):
         training=None,
         return_attention_scores=False,
         use_causal_mask=False,
-        query_offset=None,
     ):
         """Attention over projected heads: the documented override point.
 
@@ -642,76 +694,43 @@ class MultiHeadAttention(keras.layers.Layer):
             query: `(B, T, N, key_dim)` projected query.
             key: `(B, S, N, key_dim)` projected key.
             value: `(B, S, N, value_dim)` projected value.
-            attention_mask: boolean, broadcastable to `(B, T, S)`, or `None`.
+            attention_mask: a `masks.AttentionMask` (what `call` passes), or a
+                boolean mask broadcastable to `(B, T, S)` (what subclasses written
+                for the built-in pass), or `None`.
             training: Whether dropout applies.
             return_attention_scores: Whether to compute and return the scores.
-            use_causal_mask: AND a causal mask (applied inside the kernel).
-            query_offset: position of the first query among the keys (KV-cache
-                decoding) for the causal mask; `None` means 0.
+            use_causal_mask: AND a causal mask (with a dense or no `attention_mask`).
 
         Returns:
             `(attention_output, attention_scores)`: `(B, T, N, value_dim)` and
             `(B, N, T, S)`, or `None` for the scores when not requested.
         """
-        num_axes = len(self._attention_axes)
-        projected_rank = len(query.shape)
-        dropout_active = self._dropout > 0.0 and bool(training)
-        implementation = kernels.choose_implementation(
-            self._implementation or ("fused" if self._flash_attention else None),
-            need_weights=return_attention_scores,
-            dropout_active=dropout_active,
-            projected_rank=projected_rank,
-            same_head_dims=key.shape[-1] == value.shape[-1],
-            query_length=query.shape[1],
-            key_length=key.shape[1],
-        )
-        scores_rank = projected_rank if num_axes == 1 else projected_rank - 1 + num_axes
-        mask = masks_lib.expand_to_scores(masks_lib.as_bool(attention_mask), scores_rank, num_axes)
-        if implementation == "chunked":
-            output = kernels.chunked_attention(
-                query,
-                key,
-                value,
-                scale=self._inverse_sqrt_key_dim,
-                mask=mask,
-                is_causal=use_causal_mask,
-                causal_offset=0 if query_offset is None else query_offset,
-                chunk_size=self._chunk_size,
-            )
-            return output, None
-        if implementation == "fused":
-            # The backend's `is_causal` knows no offset: decoding builds the mask.
-            causal_only = use_causal_mask and mask is None and query_offset is None
-            if use_causal_mask and not causal_only:
-                causal = ops.expand_dims(self._compute_causal_mask(query, key, query_offset), 1)
-                mask = causal if mask is None else ops.logical_and(mask, causal)
-            output = kernels.fused_attention(
-                query,
-                key,
-                value,
-                scale=self._inverse_sqrt_key_dim,
-                mask=mask,
-                is_causal=causal_only,
-                flash=self._flash_attention,
-            )
-            return output, None
-        if use_causal_mask:
-            causal = masks_lib.expand_to_scores(
-                self._compute_causal_mask(query, key, query_offset), scores_rank, num_axes
-            )
-            mask = causal if mask is None else ops.logical_and(mask, causal)
-        return kernels.explicit_attention(
+        mask = attention_mask
+        if not isinstance(mask, masks_lib.AttentionMask):
+            mask = self._dense_mask(mask, len(query.shape))
+            if use_causal_mask:
+                causal = masks_lib.AttentionMask(causal=True)
+                mask = causal if mask is None else dataclasses.replace(mask, causal=True)
+        seed = None
+        if self._dropout > 0.0 and training:
+            seed = self._dropout_layer.seed_generator.next()
+        return kernels.attention(
             query,
             key,
             value,
             scale=self._inverse_sqrt_key_dim,
-            dot_product_equation=self._dot_product_equation,
-            combine_equation=self._combine_equation,
-            num_attention_axes=num_axes,
-            mask=mask,
-            dropout=(
-                (lambda w: self._dropout_layer(w, training=training)) if dropout_active else None
+            equations=(
+                self._dot_product_equation,
+                self._combine_equation,
+                len(self._attention_axes),
             ),
+            mask=mask,
+            dropout=self._dropout,
+            seed=seed,
+            return_scores=return_attention_scores,
+            implementation=self._implementation or ("fused" if self._flash_attention else None),
+            chunk_size=self._chunk_size,
+            flash=self._flash_attention,
         )
 
     # ---------------------------------------------------------------------- shapes

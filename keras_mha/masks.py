@@ -1,10 +1,18 @@
-"""Attention masks: causal, sliding-window and Keras implicit masks, merged and broadcast.
+"""Attention masks, described rather than materialised.
 
-Every mask here is boolean with `True` meaning "may attend". Merged masks have shape
-`(B or 1, T, S)` for sequence inputs, or `(B or 1, <query attention dims>,
-<key attention dims>)` for N-d attention, and are broadcast to the scores' shape by
-inserting axes just before the query attention dims.
+A call's masks arrive in pieces: padding of the queries and of the keys (Keras implicit
+masks, `query_mask`, `value_mask`, `key_mask`), causality with an offset (KV-cache
+decoding), a sliding window, and perhaps a dense `attention_mask` from the user.
+`AttentionMask` keeps them apart. Kernels ask it for the block they are working on
+(`block`) and for the keys a block of queries can see at all (`key_range`), so no
+`(B, ..., T, S)` tensor exists unless the user passed one.
+
+Every boolean mask here means `True` = "may attend". The dense form, for the explicit
+kernel and for subclasses written against the built-in layer, is `merge_masks`.
 """
+
+import dataclasses
+from typing import Any
 
 from keras import ops
 
@@ -20,6 +28,143 @@ except ImportError:  # pragma: no cover - older/newer Keras layouts
             x._keras_mask = mask
         except AttributeError:
             pass
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """Which keys each query may attend to, as factors that are ANDed.
+
+    Attributes:
+        query_valid: `(B, T)` boolean padding of the queries, or `None`. A padded
+            query attends to nothing: zero weights, zero context.
+        key_valid: `(B, S)` boolean padding of the keys, or `None`.
+        causal: query `t` sees keys `s <= t + offset`.
+        offset: position of query 0 among the keys (KV-cache decoding): a Python
+            int, or an int32 scalar tensor.
+        window: `None` or `w`: query `t` sees keys with `|t + offset - s| < w`.
+        dense: `None` or the user's boolean mask, rank 4, broadcastable to
+            `(B, N, T, S)`. For N-d attention, the whole merged mask in the scores'
+            layout (the explicit kernel is the only one that runs then).
+    """
+
+    query_valid: Any = None
+    key_valid: Any = None
+    causal: bool = False
+    offset: Any = 0
+    window: int | None = None
+    dense: Any = None
+
+    @property
+    def is_empty(self):
+        """Nothing is masked."""
+        return (
+            self.query_valid is None
+            and self.key_valid is None
+            and not self.causal
+            and self.window is None
+            and self.dense is None
+        )
+
+    @property
+    def static_offset(self):
+        """The offset as a Python int, or `None` when it is a tensor."""
+        return self.offset if isinstance(self.offset, int) else None
+
+    def key_range(self, query_start, query_size, key_length):
+        """`(lo, hi)`: the keys that queries `[query_start, query_start + query_size)`
+        may see at all, by causality and the window; static ints.
+
+        The whole `(0, key_length)` when the offset or a length is not static.
+        """
+        offset = self.static_offset
+        if offset is None or query_size is None or key_length is None:
+            return 0, key_length
+        lo, hi = 0, key_length
+        last = query_start + query_size - 1 + offset
+        if self.causal:
+            hi = min(hi, last + 1)
+        if self.window is not None:
+            hi = min(hi, last + self.window)
+            lo = max(lo, query_start + offset - self.window + 1)
+        hi = max(0, hi)
+        return min(lo, hi), hi
+
+    def block(self, query_start, query_size, key_start, key_size):
+        """The mask of queries `[query_start, +query_size)` against keys
+        `[key_start, +key_size)`: boolean, broadcastable to `(B, N, q, k)`, or `None`.
+
+        `query_size`/`key_size` of `None` mean "to the end" (from a start of 0).
+        """
+        parts = []
+        if self.query_valid is not None:
+            rows = _slice(self.query_valid, 1, query_start, query_size)
+            parts.append(rows[:, None, :, None])
+        if self.key_valid is not None:
+            cols = _slice(self.key_valid, 1, key_start, key_size)
+            parts.append(cols[:, None, None, :])
+        if self.causal or self.window is not None:
+            rows, cols = self._positions(query_start, query_size, key_start, key_size)
+            if self.causal:
+                parts.append(ops.greater_equal(rows, cols))
+            if self.window is not None:
+                parts.append(ops.less(ops.abs(rows - cols), self.window))
+        if self.dense is not None:
+            dense = self.dense
+            if dense.shape[2] != 1:
+                dense = _slice(dense, 2, query_start, query_size)
+            if dense.shape[3] != 1:
+                dense = _slice(dense, 3, key_start, key_size)
+            parts.append(dense)
+        return logical_and(*parts)
+
+    def _positions(self, query_start, query_size, key_start, key_size):
+        """`(1, 1, q, 1)` query positions (offset added) and `(1, 1, 1, k)` key positions."""
+        query_size = self._length(query_size, 2)
+        key_size = self._length(key_size, 3)
+        rows = ops.arange(query_size, dtype="int32") + (query_start + self.offset)
+        cols = ops.arange(key_size, dtype="int32") + key_start
+        return rows[None, None, :, None], cols[None, None, None, :]
+
+    def _length(self, size, axis):
+        if size is not None:
+            return size
+        raise ValueError(f"AttentionMask.block needs a size along axis {axis}")
+
+
+def describe(
+    query_mask=None,
+    value_mask=None,
+    key_mask=None,
+    attention_mask=None,
+    use_causal_mask=False,
+    sliding_window=None,
+    offset=None,
+):
+    """An `AttentionMask` from a call's arguments (rank-3 inputs), or `None`.
+
+    Args:
+        query_mask: `(B, T)`; value_mask, key_mask: `(B, S)`: bool, int or float.
+        attention_mask: broadcastable to `(B, T, S)`, or with a heads axis to
+            `(B, N, T, S)`.
+        use_causal_mask: causal masking.
+        sliding_window: `None` or a positive int.
+        offset: position of the first query among the keys; `None` means 0.
+    """
+    dense = as_bool(attention_mask)
+    if dense is not None:
+        while len(dense.shape) < 3:
+            dense = ops.expand_dims(dense, 0)
+        if len(dense.shape) == 3:
+            dense = ops.expand_dims(dense, 1)  # the heads axis
+    mask = AttentionMask(
+        query_valid=as_bool(query_mask),
+        key_valid=logical_and(value_mask, key_mask),
+        causal=bool(use_causal_mask),
+        offset=0 if offset is None else offset,
+        window=sliding_window,
+        dense=dense,
+    )
+    return None if mask.is_empty else mask
 
 
 def causal_mask(query_length, key_length, offset=0):
@@ -52,12 +197,15 @@ def logical_and(*masks):
 
 
 def as_bool(mask):
-    """Boolean view of a mask given as bool, integers or floats (`> 0.5` is kept)."""
-    if mask is None or _is_bool(mask):
+    """Boolean view of a mask given as bool, integers or floats (nonzero is kept), as
+    the built-in's `ops.cast(mask, "bool")` does; NumPy arrays and lists are converted."""
+    if mask is None:
+        return None
+    if not hasattr(mask, "dtype"):
+        mask = ops.convert_to_tensor(mask)
+    if "bool" in str(mask.dtype):
         return mask
-    if "int" in str(mask.dtype):
-        return ops.not_equal(mask, 0)
-    return ops.greater(mask, 0.5)
+    return ops.cast(mask, "bool")
 
 
 def merge_masks(
@@ -71,7 +219,10 @@ def merge_masks(
     sliding_window=None,
     offset=0,
 ):
-    """The built-in layer's mask merge, as one `(B or 1, T, S)` boolean mask or `None`.
+    """The built-in layer's mask merge, as one dense `(B or 1, T, S)` boolean mask.
+
+    For N-d attention and for subclasses whose `_compute_attention` expects the
+    built-in's dense mask; `None` when nothing is masked.
 
     Args:
         query_length, key_length: `T` and `S` (ints or scalar tensors).
@@ -106,14 +257,12 @@ def expand_to_scores(mask, scores_rank, num_attention_axes):
     return mask
 
 
-def rows_with_keys(mask, num_attention_axes):
-    """`True` where a query position has at least one key it may attend to.
-
-    Reduces over the key attention axes of a scores-shaped mask, keeping them as 1s.
-    """
-    key_axes = tuple(range(-num_attention_axes, 0))
-    return ops.any(mask, axis=key_axes, keepdims=True)
-
-
-def _is_bool(x):
-    return "bool" in str(x.dtype)
+def _slice(x, axis, start, size):
+    """`x[..., start:start + size, ...]` along `axis`; `size=None` keeps all from 0."""
+    if size is None or (isinstance(start, int) and start == 0 and x.shape[axis] == size):
+        return x
+    starts = [0] * len(x.shape)
+    starts[axis] = start
+    shape = list(ops.shape(x))
+    shape[axis] = size
+    return ops.slice(x, starts, shape)

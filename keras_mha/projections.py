@@ -9,33 +9,31 @@ sizes from B=2, T=16, dim 32 to B=4, T=512, dim 1024) and slower in training ste
 (1.21x JAX, 1.02x TensorFlow), so the three projections run as they are written.
 """
 
-from keras import backend, ops
+from keras import ops
 from keras.layers import EinsumDense
+
+from keras_mha.kernels import policy
 
 
 def add_bias(x, bias):
     """`x + bias`, the bias broadcast over leading axes; `x` may be overwritten.
 
     `x` must be a fresh product that nothing else holds (the einsum just above).
-    On torch the bias is added into it in place when the dtypes agree: a new
-    `(B, T, N, H)` buffer costs its page faults, which at T=8192 made each of the
-    four bias adds ~8 ms (a third of the projections' time) against ~1 ms in
-    place. Only where no gradient flows through `x` (inference): torch's einsum
-    returns a view, and an in-place add on a view costs a `CopySlices` and an
-    `AsStridedBackward` in the backward pass, ~3 ms per projection in a training
-    step at B=32, T=128, dim 512 against ~0.5 ms for the add's own backward.
+    Where the policy says so (torch), the bias is added into it in place when the
+    dtypes agree and no gradient flows through `x`: a new `(B, T, N, H)` buffer
+    costs its page faults, and an in-place add on the view torch's einsum returns
+    would cost a `CopySlices` and an `AsStridedBackward` in a backward pass.
 
     Keras's TensorFlow `ops.add` turns an add whose second operand squeezes to a
     vector into `tf.nn.bias_add`, channels-first when that vector's length is not
     `x`'s last dimension but matches axis 1: a `(N, 1)` bias (key_dim 1) on a
     `(B, T, N, 1)` projection with `T == N` would land on the sequence axis. Such
-    biases (last dimension 1) are added there as `subtract(x, -bias)`; every other
-    bias squeezes to `x`'s last dimension or not at all, and adds as usual.
+    biases (last dimension 1) are added as `subtract(x, -bias)`; every other bias
+    squeezes to `x`'s last dimension or not at all, and adds as usual.
     """
-    name = backend.backend()
-    if name == "tensorflow" and bias.shape[-1] == 1:
+    if bias.shape[-1] == 1:
         return ops.subtract(x, ops.negative(bias))
-    if name == "torch":
+    if policy.current().in_place_bias:
         bias = ops.convert_to_tensor(bias)
         same = x.dtype == bias.dtype and x.device == bias.device
         if same and not x.requires_grad:

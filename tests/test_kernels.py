@@ -1,330 +1,293 @@
-"""Every attention path against the explicit one (outputs and gradients, causal and
-padding masks), the kernel choice, and the projection sublayer against `EinsumDense`."""
+"""Every kernel against the explicit one, forward and backward, with every mask kind
+and every logit feature; the dropout hash; the chunked kernel's key ranges."""
 
-import contextlib
+import dataclasses
 
 import keras
 import numpy as np
 import pytest
-from helpers import gradients, to_numpy
+from helpers import BACKEND, to_numpy
 from keras import ops
 
-import keras_mha
-from keras_mha import kernels, projections
+from keras_mha import equations, kernels, masks
+from keras_mha.kernels import chunked, explicit, fused, logits
 
-B, T, S, N, H = 2, 13, 11, 3, 4
-ATOL = 2e-5
-
-
-def _qkv(rng, query_length=T, key_length=S):
-    q = rng.standard_normal((B, query_length, N, H)).astype("float32")
-    k = rng.standard_normal((B, key_length, N, H)).astype("float32")
-    v = rng.standard_normal((B, key_length, N, H)).astype("float32")
-    return q, k, v
+B, T, N, H = 2, 13, 3, 4
+ATOL = 3e-5
+EQUATIONS = equations.attention_equations(4, (1,))[:2] + (1,)
 
 
-def _padding_mask(key_length=S):
-    """`(B, 1, T, S)`: batch 0 sees its first 7 keys; batch 1 row 2 sees no key at all."""
-    mask = np.ones((B, 1, T, key_length), bool)
-    mask[0, :, :, 7:] = False
-    mask[1, :, 2, :] = False
+# ------------------------------------------------------------------------ fixtures
+def _padding(length, cut, rng=None):
+    """`(B, length)`: batch 0 keeps its first `cut` positions, batch 1 all but one."""
+    valid = np.ones((B, length), bool)
+    valid[0, cut:] = False
+    valid[1, length // 2] = False
+    return valid
+
+
+MASKS = {
+    "none": lambda t, s: None,
+    "causal": lambda t, s: masks.AttentionMask(causal=True),
+    "keys": lambda t, s: masks.AttentionMask(key_valid=_padding(s, 7)),
+    "queries": lambda t, s: masks.AttentionMask(query_valid=_padding(t, 9)),
+    "causal+padding": lambda t, s: masks.AttentionMask(
+        causal=True, key_valid=_padding(s, 7), query_valid=_padding(t, 9)
+    ),
+    "window": lambda t, s: masks.AttentionMask(window=3),
+    "causal+window": lambda t, s: masks.AttentionMask(causal=True, window=4),
+    "offset": lambda t, s: masks.AttentionMask(causal=True, offset=s - t, window=5),
+    "dense": lambda t, s: masks.AttentionMask(dense=_dense(t, s, heads=1)),
+    "dense-heads+causal": lambda t, s: masks.AttentionMask(
+        dense=_dense(t, s, heads=N), causal=True, key_valid=_padding(s, 8)
+    ),
+    # Batch 0 has no key at all; batch 1's padding leaves every row a key.
+    "no-keys": lambda t, s: masks.AttentionMask(key_valid=np.arange(B)[:, None] * np.ones(s) > 0),
+}
+
+
+def _dense(t, s, heads):
+    """A random dense mask with one all-False row per batch."""
+    mask = np.random.default_rng(1).random((B, heads, t, s)) > 0.3
+    mask[:, :, 2, :] = False
     return mask
 
 
-def _explicit(q, k, v, mask=None, causal=False, offset=0):
-    if causal:
-        c = to_numpy(
-            ops.expand_dims(keras_mha.masks.causal_mask(q.shape[1], k.shape[1], offset), 1)
-        )
-        mask = c if mask is None else np.logical_and(mask, c)
-    out, _ = kernels.explicit_attention(
-        q,
-        k,
-        v,
-        scale=H**-0.5,
-        dot_product_equation="aecd,abcd->acbe",
-        combine_equation="acbe,aecd->abcd",
-        num_attention_axes=1,
-        mask=None if mask is None else ops.convert_to_tensor(mask),
-    )
-    return to_numpy(out)
+def _inputs(rng, t=T, s=T, hv=H):
+    q = rng.standard_normal((B, t, N, H)).astype("float32")
+    k = rng.standard_normal((B, s, N, H)).astype("float32")
+    v = rng.standard_normal((B, s, N, hv)).astype("float32")
+    return q, k, v
 
 
-@pytest.mark.parametrize("over", ["keys", "queries"])
-@pytest.mark.parametrize("chunk_size", [4, 64])
-@pytest.mark.parametrize("masking", ["none", "causal", "padding", "causal+padding"])
-def test_chunked_matches_explicit(rng, over, chunk_size, masking):
-    q, k, v = _qkv(rng)
-    mask = _padding_mask() if "padding" in masking else None
-    causal = "causal" in masking
-    out = kernels.chunked_attention(
-        q,
-        k,
-        v,
-        scale=H**-0.5,
-        mask=None if mask is None else ops.convert_to_tensor(mask),
-        is_causal=causal,
-        chunk_size=chunk_size,
-        over=over,
-    )
-    np.testing.assert_allclose(to_numpy(out), _explicit(q, k, v, mask, causal), atol=ATOL)
-    if mask is not None:  # the row with no key: zero context
-        np.testing.assert_array_equal(to_numpy(out)[1, 2], 0.0)
+def _tensorize(mask):
+    if mask is None:
+        return None
+    fields = {
+        f.name: ops.convert_to_tensor(getattr(mask, f.name))
+        for f in dataclasses.fields(mask)
+        if isinstance(getattr(mask, f.name), np.ndarray)
+    }
+    return dataclasses.replace(mask, **fields)
 
 
-@pytest.mark.parametrize("over", ["keys", "queries"])
-def test_chunked_causal_offset_matches_explicit(rng, over):
-    q, k, v = _qkv(rng, query_length=7, key_length=S)
-    out = kernels.chunked_attention(
-        q, k, v, scale=H**-0.5, is_causal=True, causal_offset=4, chunk_size=3, over=over
-    )
-    np.testing.assert_allclose(to_numpy(out), _explicit(q, k, v, causal=True, offset=4), atol=ATOL)
+def value_and_grads(fn, arrays):
+    """`fn(*tensors)`'s output and the gradients of `sum(output * w)` (a fixed random
+    `w`) w.r.t. each array, as NumPy."""
+    weights = None
 
+    def loss(*tensors):
+        nonlocal weights
+        out = fn(*tensors)
+        if weights is None:
+            shape = tuple(out.shape)
+            weights = np.random.default_rng(7).standard_normal(shape).astype("float32")
+        return ops.sum(out * ops.convert_to_tensor(weights)), out
 
-def _compiled(fn, dynamic_shapes):
-    """`fn` under the backend's compiler; TensorFlow traces with unknown `B` and `T`."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
+    if BACKEND == "tensorflow":
         import tensorflow as tf
 
-        query = (None, None, N, H) if dynamic_shapes else (B, T, N, H)
-        keys = tf.TensorSpec((B, S, N, H), "float32")
-        return tf.function(fn, input_signature=[tf.TensorSpec(query, "float32"), keys, keys])
-    if backend == "jax":
+        tensors = [tf.constant(a) for a in arrays]
+        with tf.GradientTape() as tape:
+            tape.watch(tensors)
+            value, out = loss(*tensors)
+        grads = tape.gradient(value, tensors)
+    elif BACKEND == "jax":
         import jax
 
-        return jax.jit(fn)
+        argnums = tuple(range(len(arrays)))
+        (_, out), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(
+            *[jax.numpy.asarray(a) for a in arrays]
+        )
+    else:
+        import torch
+
+        tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
+        value, out = loss(*tensors)
+        value.backward()
+        grads = [t.grad for t in tensors]
+    return to_numpy(out), [to_numpy(g) for g in grads]
+
+
+def _run(kernel, mask, extras=None, **options):
+    """`fn(q, k, v, *extras)` running `kernel` with `options`."""
+    extras = extras or ()
+
+    def fn(q, k, v, *rest):
+        named = dict(zip(extras, rest))
+        kwargs = dict(scale=H**-0.5, mask=_tensorize(mask), **options, **named)
+        if kernel == "explicit":
+            out, _ = explicit.attention(q, k, v, equations=EQUATIONS, **kwargs)
+            return out
+        if kernel == "fused":
+            return fused.attention(q, k, v, **kwargs)
+        return chunked.attention(q, k, v, chunk_size=4, **kwargs)
+
     return fn
 
 
-@pytest.mark.parametrize("dynamic_shapes", [False, True])
-def test_query_chunks_compiled_match_explicit(rng, dynamic_shapes):
-    """Query chunks under the backend's compiler; an unknown `T` is one chunk."""
-    q, k, v = _qkv(rng)
-    mask = ops.convert_to_tensor(_padding_mask())
-
-    def fn(q, k, v):
-        return kernels.chunked_attention(
-            q, k, v, scale=H**-0.5, mask=mask, is_causal=True, chunk_size=4, over="queries"
-        )
-
-    out = _compiled(fn, dynamic_shapes)(*(ops.convert_to_tensor(x) for x in (q, k, v)))
-    expected = _explicit(q, k, v, _padding_mask(), causal=True)
-    np.testing.assert_allclose(to_numpy(out), expected, atol=ATOL)
+def _assert_same(kernel, mask, arrays, extras=None, **options):
+    expected, expected_grads = value_and_grads(_run("explicit", mask, extras, **options), arrays)
+    out, grads = value_and_grads(_run(kernel, mask, extras, **options), arrays)
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    assert np.isfinite(out).all()
+    for got, want in zip(grads, expected_grads):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, atol=ATOL)
 
 
-def test_query_chunks_are_ordered_in_tensorflow_graphs(rng):
-    """TensorFlow's executor would start every query chunk at once (peak memory of the
-    whole score matrix): chunk `i` waits for chunk `i - IN_FLIGHT`. Elsewhere ops run in
-    program order (torch) or XLA schedules them, and no ordering is added."""
-    q, k, v = (ops.convert_to_tensor(x) for x in _qkv(rng, query_length=16))
-    chunks = 16 // 4
-
-    def fn(q, k, v):
-        return kernels.chunked_attention(q, k, v, scale=H**-0.5, chunk_size=4, over="queries")
-
-    if keras.backend.backend() != "tensorflow":
-        assert isinstance(kernels._after([q]), contextlib.nullcontext)
-        return
-    import tensorflow as tf
-
-    graph = tf.function(fn).get_concrete_function(q, k, v).graph
-    waited_on = {c.name for op in graph.get_operations() for c in op.control_inputs}
-    assert len(waited_on) == chunks - kernels.IN_FLIGHT
+# --------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("masking", list(MASKS))
+@pytest.mark.parametrize("lengths", [(T, T), (T, T + 4), (9, T)])
+def test_chunked_matches_explicit_forward_and_backward(rng, masking, lengths):
+    t, s = lengths
+    _assert_same("chunked", MASKS[masking](t, s), _inputs(rng, t, s))
 
 
-@pytest.mark.parametrize("over", ["keys", "queries"])
-def test_chunked_empty_batch(over):
-    q = np.zeros((0, T, N, H), "float32")
-    kv = np.zeros((0, S, N, H), "float32")
-    out = kernels.chunked_attention(q, kv, kv, scale=H**-0.5, chunk_size=4, over=over)
-    assert tuple(out.shape) == (0, T, N, H)
+@pytest.mark.parametrize("masking", ["none", "causal+padding", "dense-heads+causal", "offset"])
+def test_chunked_logit_features_match_explicit(rng, masking):
+    q, k, v = _inputs(rng, T, T + 2)
+    bias = rng.standard_normal((1, N, T, T + 2)).astype("float32")
+    sinks = rng.standard_normal((N,)).astype("float32")
+    mask = MASKS[masking](T, T + 2)
+    _assert_same("chunked", mask, (q, k, v, bias, sinks), ("bias", "sinks"), soft_cap=2.0)
 
 
-@pytest.mark.parametrize("copies", [False, True], ids=["views", "copies"])
-@pytest.mark.parametrize("masking", ["none", "causal", "padding"])
-def test_fused_matches_explicit(rng, masking, copies, monkeypatch):
-    """Torch takes heads-first views of short keys and copies of long ones (every
-    backend runs both cases; only torch tells them apart)."""
-    monkeypatch.setattr(kernels, "CONTIGUOUS_KEYS_FROM", 1 if copies else 10**9)
-    q, k, v = _qkv(rng)
-    mask = _padding_mask() if masking == "padding" else None
-    if masking == "causal":
-        mask = to_numpy(ops.expand_dims(keras_mha.masks.causal_mask(T, S), 1))
-    out = kernels.fused_attention(
-        q, k, v, scale=H**-0.5, mask=None if mask is None else ops.convert_to_tensor(mask)
-    )
-    np.testing.assert_allclose(to_numpy(out), _explicit(q, k, v, mask), atol=ATOL)
+@pytest.mark.parametrize("shape", [(B, 1, 1, T), (1, 1, T, 1), (B, N, T, T)])
+def test_bias_gradient_of_every_broadcast_shape(rng, shape):
+    q, k, v = _inputs(rng)
+    bias = rng.standard_normal(shape).astype("float32")
+    _assert_same("chunked", MASKS["causal"](T, T), (q, k, v, bias), ("bias",))
 
 
-# --------------------------------------------------------------------------- layer level
-class _SelfAttention(keras.layers.Layer):
-    """`inner(x, x, **kwargs)`: self-attention with query and value the same tensor."""
+def test_chunked_dropout_equals_explicit_dropout(rng):
+    """The dropout mask is a hash of positions: chunking does not change it."""
+    seed = ops.convert_to_tensor(np.array([3, 11]), "int32")
+    mask = MASKS["causal+padding"](T, T)
+    _assert_same("chunked", mask, _inputs(rng), dropout=0.4, seed=seed)
+    # Dropout acted, and another seed drops other weights.
+    plain, _ = value_and_grads(_run("chunked", mask), _inputs(rng))
+    first, _ = value_and_grads(_run("chunked", mask, dropout=0.4, seed=seed), _inputs(rng))
+    other = ops.convert_to_tensor(np.array([4, 11]), "int32")
+    second, _ = value_and_grads(_run("chunked", mask, dropout=0.4, seed=other), _inputs(rng))
+    assert np.abs(first - plain).max() > 1e-2
+    assert np.abs(first - second).max() > 1e-2
 
-    def __init__(self, inner, **kwargs):
-        super().__init__()
-        self.inner, self.kwargs = inner, kwargs
-        self.built = inner.built
 
-    def call(self, x, key_mask=None):
-        return self.inner(x, x, key_mask=key_mask, **self.kwargs)
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_dropout_keep_rate_and_independence(rate):
+    """The hash drops a fraction `rate` (within 5 binomial sigmas), independently of
+    the row and of the column, and differently for another seed."""
+    seed = ops.convert_to_tensor(np.array([12345, 678]), "int32")
+    rows = logits.row_ids(4, 8, 64, 0, 64)  # (4, 8, 64, 1)
+    cols = ops.arange(256, dtype="int32")[None, None, None, :]
+    keep = to_numpy(logits.dropout_keep(seed, rows, cols, rate))
+    n = keep.size
+    sigma = np.sqrt(n * rate * (1 - rate))
+    assert abs((~keep).sum() - n * rate) < 5 * sigma
+    # Per-row and per-column drop fractions scatter like independent draws.
+    for axis, count in ((-1, 256), ((0, 1, 2), 4 * 8 * 64)):
+        fractions = 1.0 - keep.mean(axis=axis)
+        spread = np.sqrt(rate * (1 - rate) / count)
+        assert abs(fractions.std() - spread) < 0.25 * spread
+    # Neighbouring positions are not correlated.
+    flat = keep.reshape(-1, 256).astype(float)
+    corr = np.corrcoef(flat[:, :-1].ravel(), flat[:, 1:].ravel())[0, 1]
+    assert abs(corr) < 0.02
+    other = ops.convert_to_tensor(np.array([12346, 678]), "int32")
+    assert (to_numpy(logits.dropout_keep(other, rows, cols, rate)) != keep).mean() > 0.1
 
 
-def _layers(implementations, **config):
-    layers = [
-        keras_mha.MultiHeadAttention(
-            num_heads=N, key_dim=H, implementation=i, chunk_size=4, **config
-        )
-        for i in implementations
-    ]
-    x = np.zeros((B, T, 8), "float32")
-    for layer in layers:
-        layer(x, x)
-    for layer in layers[1:]:
-        layer.set_weights(layers[0].get_weights())
-    return layers
+@pytest.mark.parametrize("masking", ["none", "causal", "keys", "queries", "dense", "no-keys"])
+def test_fused_matches_explicit(rng, masking):
+    mask = MASKS[masking](T, T)
+    call = kernels.policy.Call(mask=mask)
+    assert kernels.policy.fusable(call)
+    _assert_same("fused", mask, _inputs(rng))
+
+
+def test_fused_takes_a_bias(rng):
+    q, k, v = _inputs(rng)
+    bias = rng.standard_normal((1, N, T, T)).astype("float32")
+    _assert_same("fused", None, (q, k, v, bias), ("bias",))
+
+
+def test_rows_without_keys_are_zero_and_finite(rng):
+    """Batch 0 has no key: zero output everywhere, zero gradients, no NaN."""
+    mask = MASKS["no-keys"](T, T)
+    for kernel in ("explicit", "chunked", "fused"):
+        out, grads = value_and_grads(_run(kernel, mask), _inputs(rng))
+        assert np.all(out[0] == 0.0), kernel
+        assert all(np.isfinite(g).all() for g in grads), kernel
+        assert np.all(grads[0][0] == 0.0), kernel
 
 
 @pytest.mark.parametrize(
-    "causal, copies",
-    [(False, False), (True, False), (True, True)],
-    ids=["plain", "causal", "copies"],
+    "mask, start, size, expected",
+    [
+        (masks.AttentionMask(), 4, 4, (0, 20)),
+        (masks.AttentionMask(causal=True), 4, 4, (0, 8)),
+        (masks.AttentionMask(causal=True, offset=3), 4, 4, (0, 11)),
+        (masks.AttentionMask(window=3), 8, 4, (6, 14)),
+        (masks.AttentionMask(causal=True, window=3), 8, 4, (6, 12)),
+        (masks.AttentionMask(causal=True, offset=ops.convert_to_tensor(2)), 4, 4, (0, 20)),
+    ],
 )
-def test_layer_paths_agree_outputs_and_gradients(rng, causal, copies, monkeypatch):
-    """explicit / fused / chunked through the layer, with a padding mask: loss (a function
-    of every output) and gradients, fully-masked rows included (finite gradients); on
-    torch the fused path also with heads-first copies of the keys and values."""
-    monkeypatch.setattr(kernels, "CONTIGUOUS_KEYS_FROM", 1 if copies else 10**9)
-    x = rng.standard_normal((B, T, 8)).astype("float32")
-    key_mask = np.ones((B, T), bool)
-    key_mask[0, 5:] = False
-    key_mask[1, :] = False  # batch 1 attends to nothing
-    results = []
-    for layer in _layers(["explicit", "fused", "chunked"]):
-        wrapper = _SelfAttention(layer, use_causal_mask=causal)
-        loss, grad_in, grad_w = gradients(wrapper, {"x": x}, key_mask=key_mask)
-        results.append((loss, grad_in["x"], grad_w))
-    reference = results[0]
-    assert np.isfinite(reference[1]).all()
-    for loss, grad_x, grad_w in results[1:]:
-        np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
-        np.testing.assert_allclose(grad_x, reference[1], atol=1e-4)
-        for g, ref in zip(grad_w, reference[2]):
-            np.testing.assert_allclose(g, ref, atol=1e-4)
+def test_key_range_bounds_what_a_chunk_can_see(mask, start, size, expected):
+    assert mask.key_range(start, size, 20) == expected
+    # Every key outside the range is masked for every query of the chunk.
+    lo, hi = expected
+    block = mask.block(start, size, 0, 20)
+    if block is not None:
+        seen = np.broadcast_to(to_numpy(block), (1, 1, size, 20)).any(axis=(0, 1, 2))
+        assert not seen[:lo].any() and not seen[hi:].any()
 
 
-def test_auto_picks_chunked_and_keeps_results(rng, monkeypatch):
-    calls = []
-    original = kernels.chunked_attention
-    monkeypatch.setattr(
-        kernels, "chunked_attention", lambda *a, **k: calls.append(1) or original(*a, **k)
-    )
-    auto, explicit = _layers([None, "explicit"])
-    x = rng.standard_normal((B, T, 8)).astype("float32")
-    np.testing.assert_allclose(
-        to_numpy(auto(x, x, use_causal_mask=True)),
-        to_numpy(explicit(x, x, use_causal_mask=True)),
-        atol=ATOL,
-    )
-    # Torch's fused kernel already keeps O(T) memory: auto keeps it there.
-    assert bool(calls) == (keras.backend.backend() != "torch")
+def test_chunked_skips_keys_no_query_sees(rng, monkeypatch):
+    """A causal chunk computes logits only against the keys up to its last query."""
+    widths = []
+    original = logits.logits
+
+    def spy(query, key_t):
+        widths.append(key_t.shape[-1])
+        return original(query, key_t)
+
+    monkeypatch.setattr(logits, "logits", spy)
+    q, k, v = _inputs(rng, 12, 12)
+    chunked.attention(q, k, v, scale=0.5, mask=masks.AttentionMask(causal=True), chunk_size=4)
+    assert widths == [4, 8, 12]
 
 
-@pytest.mark.parametrize("chunk_size", [None, 5])
-def test_chunk_size_none_takes_the_backend_default(rng, monkeypatch, chunk_size):
-    """`chunk_size=None` reaches the chunked kernel as this backend's default, chosen
-    at call time; it stays `None` in the config, so a reloaded layer re-chooses."""
-    seen = []
-    for name in ("_chunked_over_queries", "_chunked_over_keys"):
-        original = getattr(kernels, name)
-
-        def spy(*a, _original=original, **k):
-            seen.append(k["chunk_size"])
-            return _original(*a, **k)
-
-        monkeypatch.setattr(kernels, name, spy)
-    layer = keras_mha.MultiHeadAttention(
-        num_heads=N, key_dim=H, implementation="chunked", chunk_size=chunk_size
-    )
-    x = rng.standard_normal((B, T, 8)).astype("float32")
-    layer(x, x)
-    expected = chunk_size or kernels.DEFAULT_CHUNK_SIZE[keras.backend.backend()]
-    assert seen == [expected]
-    config = layer.get_config()
-    assert config["chunk_size"] == chunk_size
-    assert keras_mha.MultiHeadAttention.from_config(config).get_config() == config
+def test_unknown_query_length_is_one_chunk():
+    """Symbolic `T` (a functional model with `(None, dim)` inputs) traces one chunk."""
+    q = keras.Input((None, N, H))
+    plan = chunked._Plan.make(q, q, masks.AttentionMask(causal=True), None, 4, None)
+    assert plan.chunks == ((0, None),) and plan.ranges == ((0, None),)
 
 
-def test_choose_implementation_rules():
-    common = dict(projected_rank=4, same_head_dims=True, query_length=8192, key_length=8192)
-    assert (
-        kernels.choose_implementation(None, need_weights=True, dropout_active=False, **common)
-        == "explicit"
-    )
-    assert (
-        kernels.choose_implementation(None, need_weights=False, dropout_active=True, **common)
-        == "explicit"
-    )
-    expected = "fused" if keras.backend.backend() == "torch" else "chunked"
-    long = kernels.choose_implementation(None, need_weights=False, dropout_active=False, **common)
-    assert long == expected
-    short = dict(common, query_length=16, key_length=16)
-    assert (
-        kernels.choose_implementation(None, need_weights=False, dropout_active=False, **short)
-        == expected
-    )
-    for requested in kernels.IMPLEMENTATIONS:
-        assert (
-            kernels.choose_implementation(
-                requested, need_weights=False, dropout_active=False, **short
-            )
-            == requested
-        )
-    # Chunks over keys need a static `S`; chunks over queries do not.
-    unknown = dict(common, query_length=None, key_length=None)
-    over = kernels.CHUNK_OVER[keras.backend.backend()]
-    assert kernels.choose_implementation(
-        "chunked", need_weights=False, dropout_active=False, **unknown
-    ) == ("chunked" if over == "queries" else "explicit")
+# ------------------------------------------------------------------------- policy
+def test_policy_choose():
+    rules = kernels.policy.Policy("fused")
+    choose, call = kernels.policy.choose, kernels.policy.Call
+    assert choose(None, call(scores=True), rules) == "explicit"
+    assert choose("chunked", call(rank4=False), rules) == "explicit"
+    assert choose(None, call(), rules) == "fused"
+    assert choose(None, call(dropout=True), rules) == "chunked"
+    assert choose(None, call(soft_cap=True), rules) == "chunked"
+    assert choose(None, call(sinks=True), rules) == "chunked"
+    padded_causal = masks.AttentionMask(causal=True, key_valid=np.ones((1, 3), bool))
+    assert choose(None, call(mask=padded_causal), rules) == "chunked"
+    assert choose(None, call(mask=masks.AttentionMask(window=2)), rules) == "chunked"
+    decoding = masks.AttentionMask(causal=True, offset=ops.convert_to_tensor(3))
+    assert choose("fused", call(mask=decoding), rules) == "chunked"
+    assert choose(None, call(mask=masks.AttentionMask(causal=True)), rules) == "fused"
+    assert choose("explicit", call(), rules) == "explicit"
+    assert choose(None, call(), kernels.policy.Policy("chunked")) == "chunked"
 
 
-# ------------------------------------------------------------------- projections
-@pytest.mark.parametrize("key_dim", [1, 4])
-def test_projection_matches_einsum_dense(rng, key_dim):
-    """`projections.Projection` is `EinsumDense` with the same weights, bias included,
-    also where TensorFlow's `ops.add` would put a `(N, 1)` bias on the sequence axis."""
-    x = rng.standard_normal((2, 3, 8)).astype("float32")
-    ours = projections.Projection("abc,cde->abde", output_shape=(None, 3, key_dim), bias_axes="de")
-    reference = keras.layers.EinsumDense(
-        "abc,cde->abde", output_shape=(None, 3, key_dim), bias_axes="de"
-    )
-    ours.build(x.shape)
-    reference.build(x.shape)
-    bias = rng.standard_normal((3, key_dim)).astype("float32")
-    ours.set_weights([reference.get_weights()[0], bias])
-    expected = x @ reference.get_weights()[0].reshape(8, -1)
-    expected = expected.reshape(2, 3, 3, key_dim) + bias
-    np.testing.assert_allclose(to_numpy(ours(x)), expected, atol=1e-5)
-
-
-def test_projection_gradients_match_einsum_dense(rng):
-    """The bias add (in place on torch) leaves the input alone and gives `EinsumDense`'s
-    gradients for the input, the kernel and the bias."""
-    x = rng.standard_normal((2, 5, 8)).astype("float32")
-    before = x.copy()
-    layers = [
-        cls("abc,cde->abde", output_shape=(None, 3, 4), bias_axes="de")
-        for cls in (projections.Projection, keras.layers.EinsumDense)
-    ]
-    for layer in layers:
-        layer.build(x.shape)
-    layers[0].set_weights([w + 0.5 for w in layers[1].get_weights()])
-    layers[1].set_weights(layers[0].get_weights())
-    (ours_loss, ours_inputs, ours_weights), (loss, inputs, weights) = (
-        gradients(layer, {"inputs": x}) for layer in layers
-    )
-    np.testing.assert_allclose(ours_loss, loss, rtol=1e-6)
-    np.testing.assert_allclose(ours_inputs["inputs"], inputs["inputs"], atol=1e-5)
-    for ours_grad, grad in zip(ours_weights, weights):
-        np.testing.assert_allclose(ours_grad, grad, atol=1e-5)
-    np.testing.assert_array_equal(x, before)
+def test_policy_table_covers_every_backend():
+    for name in ("tensorflow", "jax", "torch", "numpy", "openvino"):
+        entry = kernels.policy.POLICIES[(name, "cpu")]
+        assert entry.kernel in kernels.IMPLEMENTATIONS
+        assert entry.chunk_size > 0
+    assert kernels.policy.current() == kernels.policy.POLICIES[(BACKEND, "cpu")]

@@ -1,0 +1,109 @@
+"""Attention over projected heads: one entry point, three kernels.
+
+    attention(query, key, value, scale=..., mask=..., ...) -> (output, scores or None)
+
+- "explicit" (`explicit.py`): the whole scores; the only one that returns them, and
+  the only one for N-d attention.
+- "fused" (`fused.py`): the backend's own kernel, where it takes the call as it is.
+- "chunked" (`chunked.py`): query chunks, never the whole `(T, S)`, forward or
+  backward, with every mask kind, bias, soft cap, sinks and dropout.
+
+All three share the arithmetic of `logits.py` (float32 softmax, a row with no keys
+gets zero weights, the same dropout mask for the same seed). Which one runs, and with
+what chunk size, is decided in one place: `policy.py`.
+"""
+
+from keras_mha.kernels import chunked, explicit, fused, policy
+from keras_mha.kernels.policy import IMPLEMENTATIONS
+
+
+def attention(
+    query,
+    key,
+    value,
+    *,
+    scale,
+    equations,
+    mask=None,
+    bias=None,
+    soft_cap=None,
+    sinks=None,
+    dropout=0.0,
+    seed=None,
+    return_scores=False,
+    implementation=None,
+    chunk_size=None,
+    flash=None,
+):
+    """`softmax(q k^T * scale + ..., masked) v` on projected heads.
+
+    Args:
+        query: `(B, T, N, H)` (or an N-d layout `(B, ..., N, H)`).
+        key: `(B, S, N, H)`; value: `(B, S, N, Hv)`.
+        scale: multiplies the query before the dot product.
+        equations: `(dot_product, combine, num_attention_axes)` of the layout
+            (`equations.attention_equations`), for the explicit kernel.
+        mask: a `masks.AttentionMask`, or `None`.
+        bias: float, broadcastable to the scores `(B, N, T, S)`, added to the logits.
+        soft_cap: `None` or `c > 0`: logits become `c * tanh(logits / c)`.
+        sinks: `None` or `(N,)` sink logits joining each row's softmax denominator.
+        dropout: attention dropout rate; applies when `seed` is given.
+        seed: int `(2,)` tensor seeding the dropout mask, or `None` (no dropout).
+        return_scores: also return the weights (explicit kernel).
+        implementation: `None`/"auto" or one of `IMPLEMENTATIONS`.
+        chunk_size: query rows per chunk; `None` for the policy's.
+        flash: the layer's `flash_attention`, for the fused kernel.
+
+    Returns:
+        `(output, scores)`: output like the query with `Hv` channels in the value's
+        dtype, scores `(B, N, T, S)` or `None` when not requested.
+    """
+    dropping = seed is not None and dropout > 0.0
+    rules = policy.current()
+    call = policy.Call(
+        scores=return_scores,
+        rank4=len(query.shape) == 4 and equations[2] == 1,
+        dropout=dropping,
+        mask=mask,
+        bias=bias is not None,
+        soft_cap=soft_cap is not None,
+        sinks=sinks is not None,
+        same_head_dims=key.shape[-1] == value.shape[-1],
+    )
+    kernel = policy.choose(implementation, call, rules)
+    if kernel == "explicit":
+        return explicit.attention(
+            query,
+            key,
+            value,
+            scale=scale,
+            equations=equations,
+            mask=mask,
+            bias=bias,
+            soft_cap=soft_cap,
+            sinks=sinks,
+            dropout=dropout,
+            seed=seed if dropping else None,
+        )
+    if kernel == "fused":
+        output = fused.attention(query, key, value, scale=scale, mask=mask, bias=bias, flash=flash)
+        return output, None
+    output = chunked.attention(
+        query,
+        key,
+        value,
+        scale=scale,
+        mask=mask,
+        bias=bias,
+        soft_cap=soft_cap,
+        sinks=sinks,
+        dropout=dropout,
+        seed=seed if dropping else None,
+        chunk_size=chunk_size or rules.chunk_size,
+        in_flight=rules.in_flight,
+        differentiable=rules.trains,
+    )
+    return output, None
+
+
+__all__ = ["IMPLEMENTATIONS", "attention", "chunked", "explicit", "fused", "policy"]

@@ -1,0 +1,82 @@
+"""The explicit kernel: the whole score tensor, as the built-in layer computes it.
+
+The only kernel that returns the scores, and the only one for N-d attention (several
+attention axes, or free axes beside them). Gradients come from autodiff.
+"""
+
+import math
+
+from keras import ops
+
+from keras_mha.kernels import logits as logits_lib
+
+
+def attention(
+    query,
+    key,
+    value,
+    *,
+    scale,
+    equations,
+    mask=None,
+    bias=None,
+    soft_cap=None,
+    sinks=None,
+    dropout=0.0,
+    seed=None,
+):
+    """Attention with the full scores; returns `(output, scores)`.
+
+    Args:
+        query: `(B, ..., N, H)` projected query (N-d layouts allowed).
+        key: projected key, same layout as the query along non-attention axes.
+        value: projected value, `(..., N, Hv)`.
+        scale: multiplies the query before the dot product.
+        equations: `(dot_product, combine, num_attention_axes)` from
+            `equations.attention_equations`.
+        mask: an `AttentionMask` (for N-d attention: its `dense` part, already in
+            the scores' layout), or `None`.
+        bias: float, broadcastable to the scores, added to the logits.
+        soft_cap: `None` or a positive float.
+        sinks: `None` or `(N,)` sink logits.
+        dropout: rate of attention dropout; applies when `seed` is given.
+        seed: int `(2,)` tensor seeding the dropout mask.
+
+    Returns:
+        output `(B, ..., N, Hv)` and scores `(<batch dims>, <T dims>, <S dims>)` (the
+        weights before dropout), both in the value's dtype.
+    """
+    dot_product, combine, num_axes = equations
+    query = ops.multiply(query, ops.cast(scale, query.dtype))
+    if query.dtype == "float16":
+        query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
+    x = ops.cast(ops.einsum(dot_product, key, query), "float32")
+    if soft_cap is not None:
+        x, _ = logits_lib.soft_cap(x, soft_cap)
+    if bias is not None:
+        x = x + ops.cast(bias, "float32")
+    rank = len(x.shape)
+    axes = tuple(range(rank - num_axes, rank))
+    if sinks is not None:
+        sinks = logits_lib.sink_logits(sinks, rank, rank - 2 * num_axes - 1)
+    weights, _ = logits_lib.softmax(x, _dense(mask, query, key), axes, sinks)
+    scores = ops.cast(weights, value.dtype)
+    if seed is not None and dropout > 0.0:
+        shape = ops.shape(scores)
+        rows = ops.reshape(
+            ops.arange(math.prod(shape[:-1]), dtype="int32"), tuple(shape[:-1]) + (1,)
+        )
+        cols = ops.arange(shape[-1], dtype="int32")
+        keep = logits_lib.dropout_keep(seed, rows, cols, dropout)
+        weights = ops.where(keep, weights / (1.0 - dropout), 0.0)
+    output = ops.einsum(combine, ops.cast(weights, value.dtype), value)
+    return output, scores
+
+
+def _dense(mask, query, key):
+    """The mask over the whole scores: boolean, or `None`."""
+    if mask is None:
+        return None
+    if len(query.shape) != 4:  # N-d attention: merged by the layer, scores layout
+        return mask.dense
+    return mask.block(0, ops.shape(query)[1], 0, ops.shape(key)[1])

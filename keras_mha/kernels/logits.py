@@ -1,0 +1,113 @@
+"""The arithmetic every kernel shares, from logits to weights.
+
+Order, for a query row against its keys:
+
+    logits  = (q * scale) . k                 float32
+    logits  = cap * tanh(logits / cap)        with a soft cap
+    logits += bias                            with an attention bias
+    logits  = masked where the mask is False
+    weights = exp(logits - L)                 L = log(sum(exp(logits)) + exp(sink))
+    weights = weights * keep / (1 - rate)     attention dropout
+
+A row with no key to attend to gets zero weights. The dropout mask is a hash of the
+seed and each weight's position, so every kernel, chunked or not, forward or backward,
+drops the same weights for the same seed.
+"""
+
+from keras import backend, ops
+
+MASKED = -1e9  # the logit of a masked entry, zeroed after the exponential
+NO_KEYS = 1e30  # the logsumexp of a row with no keys: every weight underflows to 0
+
+
+def logits(query, key_t):
+    """`query @ key_t` in float32: `(..., T, H) @ (..., H, S)`; float16 inputs are
+    upcast first (their logits can overflow)."""
+    if backend.standardize_dtype(query.dtype) == "float16":
+        query, key_t = ops.cast(query, "float32"), ops.cast(key_t, "float32")
+    return ops.cast(ops.matmul(query, key_t), "float32")
+
+
+def soft_cap(x, cap):
+    """`cap * tanh(x / cap)`; also returns `tanh(x / cap)` for the derivative."""
+    squashed = ops.tanh(x / cap)
+    return squashed * cap, squashed
+
+
+def sink_logits(sinks, rank, heads_axis):
+    """Sinks `(N,)` as float32, shaped to broadcast along `heads_axis` of a rank-`rank`
+    logits tensor."""
+    shape = [1] * rank
+    shape[heads_axis] = -1
+    return ops.reshape(ops.cast(sinks, "float32"), shape)
+
+
+def softmax(x, mask, axes, sinks=None):
+    """Float32 masked softmax over `axes`, with optional sink logits in the
+    denominator; masked entries and key-less rows get weight 0.
+
+    Returns `(weights, logsumexp)`, the logsumexp keeping `axes` as 1s.
+    """
+    if mask is not None:
+        x = ops.where(mask, x, MASKED)
+    peak = ops.max(x, axis=axes, keepdims=True, initial=MASKED)
+    if sinks is not None:
+        peak = ops.maximum(peak, sinks)
+    peak = ops.stop_gradient(peak)
+    weights = ops.exp(x - peak)
+    if mask is not None:
+        weights = ops.where(mask, weights, 0.0)
+    total = ops.sum(weights, axis=axes, keepdims=True)
+    if sinks is not None:
+        total = total + ops.exp(sinks - peak)
+    has_keys = ops.greater(total, 0.0)
+    total = ops.where(has_keys, total, 1.0)
+    logsumexp = ops.where(has_keys, peak + ops.log(total), NO_KEYS)
+    return weights / total, logsumexp
+
+
+# ------------------------------------------------------------------------- dropout
+_GOLDEN = -1640531527  # 0x9E3779B9 as int32
+_MULTIPLIERS = (0x7FEB352D, -2073254261)  # lowbias32's constants (0x846CA68B as int32)
+
+
+def dropout_keep(seed, rows, cols, rate):
+    """Boolean keep mask of attention dropout: `True` with probability `1 - rate`.
+
+    A counter-based hash of `(seed, row, column)`, so the mask of a weight depends on
+    its position only, not on how the scores are chunked.
+
+    Args:
+        seed: int `(2,)` tensor (from a `keras.random.SeedGenerator`).
+        rows: int32 ids of the score rows, broadcastable against `cols`.
+        cols: int32 ids of the key positions.
+        rate: the drop probability, in (0, 1).
+    """
+    seed = ops.cast(seed, "int32")
+    row_hash = _mix(ops.bitwise_xor(rows, seed[0]))
+    col_hash = ops.add(ops.multiply(cols, _GOLDEN), seed[1])
+    bits = _mix(_mix(ops.bitwise_xor(row_hash, col_hash)))
+    uniform24 = _shift_right(bits, 8)  # 24 random bits, as a non-negative int
+    return ops.greater_equal(uniform24, int(round(rate * (1 << 24))))
+
+
+def _mix(x):
+    """lowbias32 (Wellons): an invertible int32 hash with good avalanche."""
+    for multiplier, shift in zip(_MULTIPLIERS, (16, 15)):
+        x = ops.bitwise_xor(x, _shift_right(x, shift))
+        x = ops.multiply(x, multiplier)
+    return ops.bitwise_xor(x, _shift_right(x, 16))
+
+
+def _shift_right(x, bits):
+    """Logical right shift of int32 (the backends' `>>` sign-extends)."""
+    return ops.bitwise_and(ops.right_shift(x, bits), (1 << (32 - bits)) - 1)
+
+
+def row_ids(batch, heads, query_length, query_start, query_size):
+    """int32 `(B, N, q, 1)` ids of the score rows `(b, n, t)` of queries
+    `[query_start, query_start + query_size)`: `(b * N + n) * T + t`."""
+    b = ops.arange(batch, dtype="int32")[:, None, None, None]
+    n = ops.arange(heads, dtype="int32")[None, :, None, None]
+    t = ops.arange(query_size, dtype="int32")[None, None, :, None] + query_start
+    return (b * heads + n) * query_length + t

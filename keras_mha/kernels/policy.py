@@ -1,0 +1,150 @@
+"""Which attention kernel runs, and with what sizes: one table, one decision.
+
+`POLICIES` holds, per backend and device, every tuned choice the kernels make; nothing
+else in the package branches on the backend to pick a kernel or a size. `choose` is a
+pure function of the call's features and the policy, tested on its own.
+"""
+
+import dataclasses
+import functools
+
+from keras import backend
+
+IMPLEMENTATIONS = ("explicit", "fused", "chunked")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The per-backend choices.
+
+    Attributes:
+        kernel: the kernel `implementation=None` takes when the call allows any:
+            "fused" (the backend's own kernel), "chunked" or "explicit".
+        chunk_size: query rows per chunk of the chunked kernel (the layer's
+            `chunk_size=None`).
+        in_flight: how many query chunks may run at once; `None` for no limit.
+            TensorFlow's graph executor otherwise starts every chunk together
+            and the memory saving is gone.
+        trains: the backend computes gradients (the chunked kernel then brings
+            its own memory-lean backward).
+        in_place_bias: the projections add their bias into the fresh product in
+            place where no gradient flows (torch: a new buffer costs page faults).
+        fused_float16: the fused kernel takes float16 as it is. TensorFlow's
+            computes float16 logits, which overflow; JAX's asks for float32
+            accumulation, which XLA on CPU rejects under `jax.jit`. Elsewhere the
+            fused kernel gets float32 copies.
+    """
+
+    kernel: str
+    chunk_size: int = 256
+    in_flight: int | None = None
+    trains: bool = True
+    in_place_bias: bool = False
+    fused_float16: bool = False
+
+
+# (backend, device) -> Policy. The measurements behind each entry are in
+# benchmarks/results (see its README); `make bench` re-measures them.
+POLICIES = {
+    ("tensorflow", "cpu"): Policy("chunked", chunk_size=128, in_flight=2),
+    ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2),
+    ("jax", "cpu"): Policy("chunked", chunk_size=256),
+    ("jax", "gpu"): Policy("fused", chunk_size=512, fused_float16=True),
+    ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
+    ("torch", "gpu"): Policy("fused", chunk_size=512, in_place_bias=True, fused_float16=True),
+    ("numpy", "cpu"): Policy("explicit", trains=False),
+    ("openvino", "cpu"): Policy("explicit", trains=False),
+}
+
+
+def current():
+    """The policy of the running backend and its default device."""
+    name = backend.backend()
+    return POLICIES.get((name, _device(name)), POLICIES.get((name, "cpu"), Policy("explicit")))
+
+
+@functools.cache
+def _device(name):
+    """ "gpu" when the backend's default device is an accelerator, else "cpu"."""
+    if name == "jax":
+        import jax
+
+        return "cpu" if jax.default_backend() == "cpu" else "gpu"
+    if name == "torch":
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+    return "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a call needs, as far as the choice of kernel goes.
+
+    Attributes:
+        scores: the attention scores are returned.
+        rank4: one attention axis, projected `(B, T, N, H)` inputs.
+        dropout: attention dropout applies.
+        mask: the call's `AttentionMask`, or `None`.
+        bias: an `attention_bias` is added to the logits.
+        soft_cap: logits are soft-capped.
+        sinks: the layer has attention sinks.
+        same_head_dims: `key_dim == value_dim`.
+    """
+
+    scores: bool = False
+    rank4: bool = True
+    dropout: bool = False
+    mask: object = None
+    bias: bool = False
+    soft_cap: bool = False
+    sinks: bool = False
+    same_head_dims: bool = True
+
+
+def choose(requested, call, policy):
+    """The kernel for one call.
+
+    Args:
+        requested: `None`/"auto", or one of `IMPLEMENTATIONS` (the layer's
+            `implementation`; `flash_attention=True` asks for "fused").
+        call: a `Call`.
+        policy: a `Policy`.
+
+    Returns:
+        One of `IMPLEMENTATIONS`. Scores and N-d attention take the explicit kernel,
+        whatever was requested. "fused" becomes "chunked" where the backend's kernel
+        cannot take the call without a dense `(T, S)` mask or a feature it lacks;
+        "chunked" becomes "explicit" on backends that cannot run it.
+    """
+    if call.scores or not call.rank4:
+        return "explicit"
+    if requested in (None, "auto"):
+        requested = policy.kernel
+    if requested == "fused" and not fusable(call):
+        requested = "chunked"
+    return requested
+
+
+def fusable(call):
+    """Whether the backend's fused kernel takes this call as it is."""
+    if call.dropout or call.soft_cap or call.sinks:
+        return False
+    if backend.backend() == "jax" and not call.same_head_dims:
+        return False  # JAX's kernel needs key_dim == value_dim
+    mask = call.mask
+    if mask is None:
+        return True
+    if mask.window is not None:
+        return False
+    # Padded queries are zeroed after the kernel, whatever it is given.
+    keys_masked = mask.key_valid is not None or mask.dense is not None
+    if mask.causal:  # `is_causal` has no offset and takes no other mask or bias
+        return mask.static_offset == 0 and not keys_masked and not call.bias
+    # Key padding and a user's dense mask broadcast as they are; a bias is an
+    # additive term that the kernels take only instead of a mask.
+    return not (call.bias and keys_masked)
