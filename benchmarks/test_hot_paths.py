@@ -67,28 +67,12 @@ def test_attention_kernel(benchmark, implementation):
         ops.convert_to_tensor(rng.standard_normal((1, LONG, 4, 64)).astype("float32"))
         for _ in range(3)
     )
-    if implementation == "explicit":
+    equations = ("aecd,abcd->acbe", "acbe,aecd->abcd", 1)
 
-        def fn(q, k, v):
-            return kernels.explicit_attention(
-                q,
-                k,
-                v,
-                scale=0.125,
-                dot_product_equation="aecd,abcd->acbe",
-                combine_equation="acbe,aecd->abcd",
-                num_attention_axes=1,
-            )[0]
-
-    elif implementation == "fused":
-
-        def fn(q, k, v):
-            return kernels.fused_attention(q, k, v, scale=0.125)
-
-    else:
-
-        def fn(q, k, v):
-            return kernels.chunked_attention(q, k, v, scale=0.125)
+    def fn(q, k, v):
+        return kernels.attention(
+            q, k, v, scale=0.125, equations=equations, implementation=implementation
+        )[0]
 
     fn = _compiled(fn)
     fn(q, k, v)

@@ -2,6 +2,7 @@
 and what was received. Nothing here touches layer state, so a rejected call changes
 nothing."""
 
+import math
 import numbers
 
 
@@ -197,3 +198,34 @@ def _broadcasts(shape, target):
 
 def _fmt(shape):
     return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
+
+
+def positive_number(name, value, allow_none=False):
+    """A finite real number > 0 (or `None` when allowed) -> float."""
+    if value is None and allow_none:
+        return None
+    if (
+        not isinstance(value, numbers.Real)
+        or isinstance(value, bool)
+        or not math.isfinite(float(value))
+        or float(value) <= 0.0
+    ):
+        expected = "a positive number" + (" or `None`" if allow_none else "")
+        raise invalid(name, expected, value)
+    return float(value)
+
+
+def attention_bias(bias, expected_shape):
+    """A float tensor broadcastable to the scores `(B, N, T, S)`."""
+    if bias is None:
+        return
+    shape = tuple(getattr(bias, "shape", ()))
+    dtype = str(getattr(bias, "dtype", type(bias).__name__))
+    if "float" not in dtype:
+        raise invalid("attention_bias", "a float tensor", f"dtype {dtype}")
+    if len(shape) > len(expected_shape) or not _broadcasts(shape, expected_shape):
+        raise invalid(
+            "attention_bias",
+            f"a tensor broadcastable to the scores {_fmt(expected_shape)}",
+            f"shape {shape}",
+        )

@@ -13,8 +13,9 @@ from keras import constraints, initializers, ops, regularizers
 from keras.layers import Dropout
 
 from keras_mha import cache as cache_lib
-from keras_mha import checks, equations, kernels, norms, projections
+from keras_mha import checks, equations, kernels, norms, projections, rope
 from keras_mha import masks as masks_lib
+from keras_mha import sinks as sinks_lib
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -159,6 +160,10 @@ class MultiHeadAttention(keras.layers.Layer):
         chunk_size=None,
         num_key_value_heads=None,
         normalize_qk=False,
+        logit_soft_cap=None,
+        use_sinks=False,
+        rope_max_wavelength=None,
+        rope_scaling_factor=1.0,
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -173,6 +178,16 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         normalize_qk = checks.boolean("normalize_qk", normalize_qk)
         key_dim = checks.positive_int("key_dim", key_dim)
+        logit_soft_cap = checks.positive_number("logit_soft_cap", logit_soft_cap, allow_none=True)
+        use_sinks = checks.boolean("use_sinks", use_sinks)
+        rope_max_wavelength = checks.positive_number(
+            "rope_max_wavelength", rope_max_wavelength, allow_none=True
+        )
+        rope_scaling_factor = checks.positive_number("rope_scaling_factor", rope_scaling_factor)
+        if rope_max_wavelength is not None and key_dim % 2:
+            raise checks.invalid(
+                "key_dim", "an even size per head to rotate with `rope_max_wavelength`", key_dim
+            )
         value_dim = checks.positive_int("value_dim", value_dim, allow_none=True)
         dropout = checks.rate("dropout", dropout)
         use_bias = checks.boolean("use_bias", use_bias)
@@ -213,6 +228,10 @@ class MultiHeadAttention(keras.layers.Layer):
         self._chunk_size = chunk_size
         self._num_key_value_heads = num_key_value_heads or num_heads
         self._normalize_qk = normalize_qk
+        self._logit_soft_cap = logit_soft_cap
+        self._use_sinks = use_sinks
+        self._rope_max_wavelength = rope_max_wavelength
+        self._rope_scaling_factor = rope_scaling_factor
         self._inverse_sqrt_key_dim = 1.0 / math.sqrt(float(self._key_dim))
 
     # ------------------------------------------------------------------ properties
@@ -295,6 +314,10 @@ class MultiHeadAttention(keras.layers.Layer):
             "chunk_size": self._chunk_size,
             "num_key_value_heads": self._num_key_value_heads,
             "normalize_qk": self._normalize_qk,
+            "logit_soft_cap": self._logit_soft_cap,
+            "use_sinks": self._use_sinks,
+            "rope_max_wavelength": self._rope_max_wavelength,
+            "rope_scaling_factor": self._rope_scaling_factor,
         }
         return {**super().get_config(), **config}
 
@@ -313,6 +336,13 @@ class MultiHeadAttention(keras.layers.Layer):
         rank = len(query_shape)
         # Validated before any state exists, so a rejected build leaves nothing.
         normalized_axes = checks.attention_axes_for_rank(self._attention_axes, rank)
+        if self._rope_max_wavelength is not None and rank != 3:
+            raise checks.invalid(
+                "query",
+                "rank-3 (B, T, dim) inputs with `rope_max_wavelength` (positions run along "
+                "one sequence axis)",
+                f"shape {tuple(query_shape)}",
+            )
 
         self._query_dense = self._projection(rank, self._num_heads, self._key_dim, "query")
         self._query_dense.build(query_shape)
@@ -354,6 +384,10 @@ class MultiHeadAttention(keras.layers.Layer):
             self._query_norm.build((None, self._key_dim))
             self._key_norm = norms.RMSNorm(name="key_norm", dtype=self.dtype_policy)
             self._key_norm.build((None, self._key_dim))
+        if self._use_sinks:
+            # Created last, after QK-norm's scales: the earlier weights keep their order.
+            self._sinks = sinks_lib.Sinks(self._num_heads, name="sinks", dtype=self.dtype_policy)
+            self._sinks.build()
         self._built_shapes = (query_shape, value_shape, key_shape)
 
     def _projection(self, rank, heads, size, name, activation=None):
@@ -410,6 +444,7 @@ class MultiHeadAttention(keras.layers.Layer):
         use_causal_mask=False,
         cache=None,
         cache_update_index=None,
+        attention_bias=None,
     ):
         if key is None:
             key = value
@@ -427,11 +462,20 @@ class MultiHeadAttention(keras.layers.Layer):
             attention_mask,
             key_length=None if cache is None else cache.shape[2],
         )
+        key_length = (key if cache is None else cache).shape[1 if cache is None else 2]
+        checks.attention_bias(
+            attention_bias, (query.shape[0], self._num_heads, query.shape[1], key_length)
+        )
 
         projected_query, projected_key, projected_value, gate = self._project(query, key, value)
         if self._normalize_qk:
             projected_query = self._query_norm(projected_query)
             projected_key = self._key_norm(projected_key)
+        if self._rope_max_wavelength is not None:
+            # Queries and the new keys sit at `cache_update_index + t` when decoding.
+            start = 0 if cache_update_index is None else cache_update_index
+            projected_query = self._rotate(projected_query, start)
+            projected_key = self._rotate(projected_key, start)
         if cache is not None:
             if cache_update_index is not None:
                 cache = cache_lib.update(cache, projected_key, projected_value, cache_update_index)
@@ -456,8 +500,9 @@ class MultiHeadAttention(keras.layers.Layer):
             mask = self._compute_attention_mask(
                 query, value if cache is None else projected_key, **masks
             )
+        bias = {} if attention_bias is None else {"attention_bias": attention_bias}
         attention_output, scores = self._compute_attention(
-            projected_query, projected_key, projected_value, mask, training, need_scores
+            projected_query, projected_key, projected_value, mask, training, need_scores, **bias
         )
         if gate is not None:
             attention_output = ops.multiply(attention_output, gate)
@@ -502,6 +547,9 @@ class MultiHeadAttention(keras.layers.Layer):
         if cache_update_index is None:
             return None
         return cache_lib.as_index(cache_update_index)
+
+    def _rotate(self, x, start):
+        return rope.rotate(x, start, self._rope_max_wavelength, self._rope_scaling_factor)
 
     def _repeat_key_value_heads(self, key, value):
         """Grouped-query attention: each key/value head serves `N / Nkv` adjacent
@@ -687,6 +735,7 @@ class MultiHeadAttention(keras.layers.Layer):
         training=None,
         return_attention_scores=False,
         use_causal_mask=False,
+        attention_bias=None,
     ):
         """Attention over projected heads: the documented override point.
 
@@ -700,6 +749,8 @@ class MultiHeadAttention(keras.layers.Layer):
             training: Whether dropout applies.
             return_attention_scores: Whether to compute and return the scores.
             use_causal_mask: AND a causal mask (with a dense or no `attention_mask`).
+            attention_bias: float, broadcastable to `(B, N, T, S)`, added to the
+                logits.
 
         Returns:
             `(attention_output, attention_scores)`: `(B, T, N, value_dim)` and
@@ -725,6 +776,9 @@ class MultiHeadAttention(keras.layers.Layer):
                 len(self._attention_axes),
             ),
             mask=mask,
+            bias=attention_bias,
+            soft_cap=self._logit_soft_cap,
+            sinks=self._sinks.sinks if self._use_sinks else None,
             dropout=self._dropout,
             seed=seed,
             return_scores=return_attention_scores,
@@ -754,6 +808,7 @@ class MultiHeadAttention(keras.layers.Layer):
         use_causal_mask=False,
         cache=None,
         cache_update_index=None,
+        attention_bias=None,
     ):
         key_shape = None if key is None else key.shape
         output = keras.KerasTensor(

@@ -60,7 +60,7 @@ def attention(
     if bias is not None:
         tensors.append(_rank4(bias))
     if sinks is not None:
-        tensors.append(sinks)
+        tensors.append(_as_tensor(sinks))
     has_bias, has_sinks = bias is not None, sinks is not None
 
     def unpack(args):
@@ -326,9 +326,16 @@ def _bias_block(bias, start, size, lo, keys):
     return bias
 
 
+def _as_tensor(x):
+    """`x` as a tensor, not a variable: TensorFlow's custom gradients reject functions
+    that read variables (the gradient still reaches the variable through the read)."""
+    x = ops.convert_to_tensor(x)
+    return ops.cast(x, x.dtype)
+
+
 def _rank4(bias):
     """A bias broadcastable to `(B, N, T, S)`, as a rank-4 tensor."""
-    bias = ops.convert_to_tensor(bias)
+    bias = _as_tensor(bias)
     while len(bias.shape) < 4:
         bias = ops.expand_dims(bias, 0)
     return bias

@@ -6,7 +6,7 @@ attention axes, or free axes beside them). Gradients come from autodiff.
 
 import math
 
-from keras import ops
+from keras import backend, ops
 
 from keras_mha.kernels import logits as logits_lib
 
@@ -48,7 +48,7 @@ def attention(
     """
     dot_product, combine, num_axes = equations
     query = ops.multiply(query, ops.cast(scale, query.dtype))
-    if query.dtype == "float16":
+    if backend.standardize_dtype(query.dtype) == "float16":  # logits could overflow
         query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
     x = ops.cast(ops.einsum(dot_product, key, query), "float32")
     if soft_cap is not None:
