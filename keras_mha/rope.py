@@ -26,6 +26,7 @@ def rotate(x, start, max_wavelength, scaling_factor=1.0):
     Returns:
         A tensor like `x`.
     """
+    x = ops.convert_to_tensor(x)
     head_dim = x.shape[-1]
     exponents = ops.arange(0, head_dim, 2, dtype="float32") / float(head_dim)
     inverse_frequency = 1.0 / ops.power(float(max_wavelength), exponents)
@@ -36,4 +37,4 @@ def rotate(x, start, max_wavelength, scaling_factor=1.0):
     sin = ops.cast(ops.sin(angles), x.dtype)
     first, second = ops.split(x, 2, axis=-1)
     rotated = ops.concatenate([ops.negative(second), first], axis=-1)
-    return x * cos + rotated * sin
+    return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin))
