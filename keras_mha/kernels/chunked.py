@@ -131,7 +131,7 @@ def _forward(plan, options, query, key, value, bias, sinks):
     outputs, logsumexps = [], []
     for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
         with _after(outputs, i, plan.in_flight):
-            block = _Block(plan, options, q, start, size, lo, hi)
+            block = _Block(plan, options, q, start, size, lo, hi, _waiting_on(outputs, i, plan))
             x, mask, _ = block.logits(key_t, bias)
             weights, logsumexp = logits_lib.softmax(x, mask, (-1,), sink)
             weights = block.dropped(weights)
@@ -144,18 +144,19 @@ def _forward(plan, options, query, key, value, bias, sinks):
 # ------------------------------------------------------------------------ backward
 def _backward(plan, options, query, key, value, bias, sinks, output, logsumexps, upstream):
     """Gradients of query, key, value, bias and sinks (`None` for the absent ones)."""
+    query, key, value = _after_upstream((query, key, value), upstream)
     q, key_t, k, v = _heads(query, key, value, options.scale)
     d_out = ops.cast(ops.transpose(upstream, (0, 2, 1, 3)), "float32")  # (B, N, T, Hv)
     # D = rowsum(dO * O) = rowsum(dP * P), the softmax's correction term.
     correction = ops.sum(d_out * output, axis=-1, keepdims=True)
     sink = None if sinks is None else logits_lib.sink_logits(sinks, 4, 1)
-    d_key = _KeyBlocks(plan, k)
-    d_value = _KeyBlocks(plan, v)
+    d_key = _KeyGradient(plan, k)
+    d_value = _KeyGradient(plan, v)
     d_bias = None if bias is None else _BiasGrad(plan, bias)
     d_queries, d_sink = [], None
     for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
         with _after(d_queries, i, plan.in_flight):
-            block = _Block(plan, options, q, start, size, lo, hi)
+            block = _Block(plan, options, q, start, size, lo, hi, _waiting_on(d_queries, i, plan))
             x, mask, squashed = block.logits(key_t, bias)
             weights = ops.exp(x - logsumexps[i])
             if mask is not None:
@@ -163,7 +164,7 @@ def _backward(plan, options, query, key, value, bias, sinks, output, logsumexps,
             d_out_chunk = _slice(d_out, 2, start, size)
             values = _slice(v, 2, lo, block.keys)
             dropped = block.dropped(weights)
-            d_value.add(_matmul_t(dropped, d_out_chunk, v.dtype), lo, hi)
+            d_value_part = _matmul_t(dropped, d_out_chunk, v.dtype)
             d_weights = block.dropped(_matmul(d_out_chunk, ops.transpose(values, (0, 1, 3, 2))))
             row_correction = _slice(correction, 2, start, size)
             d_logits = weights * (d_weights - row_correction)
@@ -173,7 +174,10 @@ def _backward(plan, options, query, key, value, bias, sinks, output, logsumexps,
                 d_logits = d_logits * (1.0 - ops.square(squashed))
             keys = _slice(k, 2, lo, block.keys)
             d_queries.append(_matmul(ops.cast(d_logits, k.dtype), keys))
-            d_key.add(_matmul_t(d_logits, block.query, q.dtype), lo, hi)
+            d_key_part = _matmul_t(d_logits, block.query, q.dtype)
+        with _after(d_queries, i + 1, 1):
+            d_value.add(d_value_part, lo, hi)
+            d_key.add(d_key_part, lo, hi)
             if sink is not None:
                 part = ops.exp(sink - logsumexps[i]) * row_correction
                 part = -ops.sum(part, axis=(0, 2, 3))
@@ -192,12 +196,12 @@ def _backward(plan, options, query, key, value, bias, sinks, output, logsumexps,
 class _Block:
     """One chunk of queries against its range of keys."""
 
-    def __init__(self, plan, options, q, start, size, lo, hi):
+    def __init__(self, plan, options, q, start, size, lo, hi, previous=None):
         self.options = options
         self.start, self.lo = start, lo
         self.size = ops.shape(q)[2] if size is None else size
         self.keys = None if hi is None else hi - lo
-        self.query = _slice(q, 2, start, size)
+        self.query = _sequenced(_slice(q, 2, start, size), previous)
         self.query_length = ops.shape(q)[2] if plan.query_length is None else plan.query_length
 
     def logits(self, key_t, bias):
@@ -227,43 +231,46 @@ class _Block:
         return ops.where(keep, weights / (1.0 - options.dropout), 0.0)
 
 
-class _KeyBlocks:
-    """A `(B, N, S, C)` float32 gradient summed from per-chunk key ranges.
+class _KeyGradient:
+    """A `(B, N, S, C)` float32 gradient summed from per-chunk key ranges `[lo, hi)`.
 
-    Kept as blocks of `chunk` keys, so adding a chunk's range touches only the
-    blocks it covers, not the whole `S`.
+    The running sum covers keys `[0, largest hi so far)`: a causal chunk's range
+    grows, and the sum is padded as it does, so no chunk pads to the whole `S`.
+    A pad between successive adds also keeps TensorFlow's graph optimizer from
+    fusing the chain into one `AddN`, which would hold every chunk's part at once.
     """
 
     def __init__(self, plan, like):
-        size, length = plan.chunks[0][1], plan.key_length
-        if length is None or not size:
-            self.bounds = [(0, length)]
-        else:
-            self.bounds = [(s, min(s + size, length)) for s in range(0, length, size)]
-        self.blocks = [None] * len(self.bounds)
+        self.length = plan.key_length
         self.like = like  # a (B, N, S, C) tensor: the leading and channel sizes
+        self.sum, self.covered = None, 0
 
     def add(self, part, lo, hi):
-        for j, (begin, end) in enumerate(self.bounds):
-            if hi is None:  # unknown S: one block, the whole range
-                piece = part
-            elif end <= lo or begin >= hi:
-                continue
-            else:
-                a, b = max(begin, lo), min(end, hi)
-                piece = _slice(part, 2, a - lo, b - a)
-                if (a, b) != (begin, end):
-                    piece = ops.pad(piece, [(0, 0), (0, 0), (a - begin, end - b), (0, 0)])
-            self.blocks[j] = piece if self.blocks[j] is None else self.blocks[j] + piece
+        if hi is None:  # unknown S: every chunk covers all keys
+            self.sum = part if self.sum is None else self.sum + part
+            return
+        if lo:
+            part = _pad_keys(part, lo, 0)
+        if self.sum is None:
+            self.sum, self.covered = part, hi
+            return
+        if hi > self.covered:
+            self.sum, self.covered = _pad_keys(self.sum, 0, hi - self.covered), hi
+        elif hi < self.covered:
+            part = _pad_keys(part, 0, self.covered - hi)
+        self.sum = self.sum + part
 
     def total(self):
-        blocks = []
-        for block, (begin, end) in zip(self.blocks, self.bounds):
-            if block is None:  # no query sees these keys: a zero gradient
-                shape = ops.shape(self.like)
-                block = ops.zeros((shape[0], shape[1], end - begin, shape[3]), "float32")
-            blocks.append(block)
-        return _concat(blocks, 2)
+        if self.sum is None:  # no query sees any key
+            shape = ops.shape(self.like)
+            return ops.zeros((shape[0], shape[1], shape[2], shape[3]), "float32")
+        if self.length is not None and self.covered < self.length:
+            return _pad_keys(self.sum, 0, self.length - self.covered)
+        return self.sum
+
+
+def _pad_keys(x, before, after):
+    return ops.pad(x, [(0, 0), (0, 0), (before, after), (0, 0)])
 
 
 class _BiasGrad:
@@ -356,6 +363,40 @@ def _slice(x, axis, start, size):
     shape = list(ops.shape(x))
     shape[axis] = size
     return ops.slice(x, starts, shape)
+
+
+def _after_upstream(tensors, upstream):
+    """`tensors`, as new values that exist only once the upstream gradient does: the
+    backward's recomputation is then no common subexpression of the forward pass,
+    which graph compilers would otherwise keep alive for it (the whole `(T, S)`)."""
+    if backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.control_dependencies([upstream]):
+            return tuple(tf.identity(t) for t in tensors)
+    if backend.backend() == "jax":
+        import jax
+
+        tensors, _ = jax.lax.optimization_barrier((tuple(tensors), upstream))
+    return tensors
+
+
+def _waiting_on(outputs, index, plan):
+    """The output chunk `index` waits for under `plan.in_flight`, or `None`."""
+    if not plan.in_flight or index < plan.in_flight:
+        return None
+    return outputs[index - plan.in_flight]
+
+
+def _sequenced(x, previous):
+    """`x`, available only once `previous` is computed (JAX: an optimization barrier,
+    so XLA frees one chunk's buffers before the next chunk allocates its own)."""
+    if previous is None or backend.backend() != "jax":
+        return x
+    import jax
+
+    x, _ = jax.lax.optimization_barrier((x, previous))
+    return x
 
 
 def _after(outputs, index, in_flight):

@@ -48,7 +48,7 @@ class Policy:
 POLICIES = {
     ("tensorflow", "cpu"): Policy("chunked", chunk_size=128, in_flight=2),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2),
-    ("jax", "cpu"): Policy("chunked", chunk_size=256),
+    ("jax", "cpu"): Policy("chunked", chunk_size=256, in_flight=1),
     ("jax", "gpu"): Policy("fused", chunk_size=512, fused_float16=True),
     ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
     ("torch", "gpu"): Policy("fused", chunk_size=512, in_place_bias=True, fused_float16=True),
