@@ -121,7 +121,7 @@ def _run(kernel, mask, extras=None, **options):
             return out
         if kernel == "fused":
             return fused.attention(q, k, v, **kwargs)
-        return chunked.attention(q, k, v, chunk_size=4, **kwargs)
+        return chunked.attention(q, k, v, chunk_size=4, loop=kernel == "looped", **kwargs)
 
     return fn
 
@@ -137,15 +137,20 @@ def _assert_same(kernel, mask, arrays, extras=None, **options):
 
 
 # --------------------------------------------------------------------------- tests
+CHUNKED = ["chunked", "looped"]  # chunks unrolled (each sees its key range) or in a loop
+
+
+@pytest.mark.parametrize("kernel", CHUNKED)
 @pytest.mark.parametrize("masking", list(MASKS))
 @pytest.mark.parametrize("lengths", [(T, T), (T, T + 4), (9, T)])
-def test_chunked_matches_explicit_forward_and_backward(rng, masking, lengths):
+def test_chunked_matches_explicit_forward_and_backward(rng, kernel, masking, lengths):
     t, s = lengths
-    _assert_same("chunked", MASKS[masking](t, s), _inputs(rng, t, s))
+    _assert_same(kernel, MASKS[masking](t, s), _inputs(rng, t, s))
 
 
+@pytest.mark.parametrize("kernel", CHUNKED)
 @pytest.mark.parametrize("masking", ["none", "causal+padding", "dense-heads+causal", "offset"])
-def test_chunked_logit_features_match_explicit(rng, masking):
+def test_chunked_logit_features_match_explicit(rng, kernel, masking):
     q, k, v = _inputs(rng, T, T + 2)
     bias = rng.standard_normal((1, N, T, T + 2)).astype("float32")
     sinks = rng.standard_normal((N,)).astype("float32")
@@ -153,18 +158,20 @@ def test_chunked_logit_features_match_explicit(rng, masking):
     _assert_same("chunked", mask, (q, k, v, bias, sinks), ("bias", "sinks"), soft_cap=2.0)
 
 
+@pytest.mark.parametrize("kernel", CHUNKED)
 @pytest.mark.parametrize("shape", [(B, 1, 1, T), (1, 1, T, 1), (B, N, T, T)])
-def test_bias_gradient_of_every_broadcast_shape(rng, shape):
+def test_bias_gradient_of_every_broadcast_shape(rng, kernel, shape):
     q, k, v = _inputs(rng)
     bias = rng.standard_normal(shape).astype("float32")
-    _assert_same("chunked", MASKS["causal"](T, T), (q, k, v, bias), ("bias",))
+    _assert_same(kernel, MASKS["causal"](T, T), (q, k, v, bias), ("bias",))
 
 
-def test_chunked_dropout_equals_explicit_dropout(rng):
+@pytest.mark.parametrize("kernel", CHUNKED)
+def test_chunked_dropout_equals_explicit_dropout(rng, kernel):
     """The dropout mask is a hash of positions: chunking does not change it."""
     seed = ops.convert_to_tensor(np.array([3, 11]), "int32")
     mask = MASKS["causal+padding"](T, T)
-    _assert_same("chunked", mask, _inputs(rng), dropout=0.4, seed=seed)
+    _assert_same(kernel, mask, _inputs(rng), dropout=0.4, seed=seed)
     # Dropout acted, and another seed drops other weights.
     plain, _ = value_and_grads(_run("chunked", mask), _inputs(rng))
     first, _ = value_and_grads(_run("chunked", mask, dropout=0.4, seed=seed), _inputs(rng))
@@ -215,7 +222,7 @@ def test_fused_takes_a_bias(rng):
 def test_rows_without_keys_are_zero_and_finite(rng):
     """Batch 0 has no key: zero output everywhere, zero gradients, no NaN."""
     mask = MASKS["no-keys"](T, T)
-    for kernel in ("explicit", "chunked", "fused"):
+    for kernel in ("explicit", "chunked", "looped", "fused"):
         out, grads = value_and_grads(_run(kernel, mask), _inputs(rng))
         assert np.all(out[0] == 0.0), kernel
         assert all(np.isfinite(g).all() for g in grads), kernel
@@ -261,7 +268,7 @@ def test_chunked_skips_keys_no_query_sees(rng, monkeypatch):
 def test_unknown_query_length_is_one_chunk():
     """Symbolic `T` (a functional model with `(None, dim)` inputs) traces one chunk."""
     q = keras.Input((None, N, H))
-    plan = chunked._Plan.make(q, q, masks.AttentionMask(causal=True), None, 4, None)
+    plan = chunked._Plan.make(q, q, masks.AttentionMask(causal=True), 4, None, False)
     assert plan.chunks == ((0, None),) and plan.ranges == ((0, None),)
 
 

@@ -101,6 +101,7 @@ def attention(
         seed=seed if dropping else None,
         chunk_size=chunk_size or rules.chunk_size,
         in_flight=rules.in_flight,
+        loop=rules.loop,
         differentiable=rules.trains,
     )
     return output, None

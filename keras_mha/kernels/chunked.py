@@ -1,17 +1,25 @@
-"""The chunked kernel: attention one block of queries at a time, never the whole
+"""The chunked kernel: attention one chunk of queries at a time, never the whole
 `(T, S)` scores, forward or backward.
 
 Forward, for each chunk of `chunk_size` query rows: the logits against the keys the
-chunk can see at all (causality and the sliding window bound them: a causal chunk
-skips the keys after its last query), an exact float32 softmax over them, normalised
-after the product with the values. Only the output and one logsumexp per row are kept.
+chunk can see, an exact float32 softmax over them, the product with the values. Only
+the output and one logsumexp per row are kept.
 
 Backward (FlashAttention-style, through `keras.ops.custom_gradient`): each chunk's
 weights are recomputed from the saved logsumexp, masks and dropout regenerated chunk
 by chunk, so the backward holds `O(chunk * S)` too. Gradients flow to the query, key,
 value, the attention bias and the sinks.
 
-Chunks are unrolled over a static `T` (a `T` unknown when tracing is one chunk).
+The chunks are visited one of two ways (`Policy.loop`):
+
+- unrolled, over a static `T`: each chunk sees only the keys it can attend to
+  (causality and the window bound them: a causal chunk skips the keys after its last
+  query, half the work); TensorFlow's graph runs at most `in_flight` chunks at once.
+- in a compiled loop (`keras.ops.fori_loop`): every chunk sees all keys, masked. XLA
+  runs independent unrolled chunks in any order and keeps their buffers alive
+  together; a loop holds one chunk's at a time.
+
+A `T` unknown when tracing is one chunk.
 """
 
 import contextlib
@@ -37,6 +45,7 @@ def attention(
     seed=None,
     chunk_size=256,
     in_flight=None,
+    loop=False,
     differentiable=True,
 ):
     """Returns the output `(B, T, N, Hv)` in the value's dtype.
@@ -51,10 +60,11 @@ def attention(
         dropout: attention dropout rate; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask.
         chunk_size: query rows per chunk.
-        in_flight: how many chunks may run at once (TensorFlow graphs), or `None`.
+        in_flight: how many unrolled chunks may run at once (TensorFlow graphs).
+        loop: visit the chunks in a compiled loop rather than unrolled.
         differentiable: use the custom backward (backends that train).
     """
-    plan = _Plan.make(query, key, mask, bias, chunk_size, in_flight)
+    plan = _Plan.make(query, key, mask, chunk_size, in_flight, loop)
     options = _Options(scale, mask, soft_cap, dropout if seed is not None else 0.0, seed)
     tensors = [query, key, value]
     if bias is not None:
@@ -67,21 +77,21 @@ def attention(
         args = list(args)
         b = args.pop(3) if has_bias else None
         s = args.pop(3) if has_sinks else None
-        return (*args, b, s)
+        return _Inputs(options, *args, b, s)
 
     if not differentiable:
-        output, _ = _forward(plan, options, *unpack(tensors))
+        output, _ = _forward(plan, unpack(tensors))
         return _from_heads(output, value.dtype)
 
     @ops.custom_gradient
     def run(*args):
-        q, k, v, b, s = unpack(args)
-        output, logsumexp = _forward(plan, options, q, k, v, b, s)
+        inputs = unpack(args)
+        output, logsumexp = _forward(plan, inputs)
 
         def grad(*upstream_args, upstream=None):
             if upstream is None:  # TensorFlow and JAX pass it positionally
                 (upstream,) = upstream_args
-            grads = _backward(plan, options, q, k, v, b, s, output, logsumexp, upstream)
+            grads = _backward(plan, inputs, output, logsumexp, upstream)
             return tuple(g for g in grads if g is not None)
 
         return _from_heads(output, value.dtype), grad
@@ -107,131 +117,309 @@ class _Plan:
     key_length: Any  # static `S` or `None`
     query_length: Any  # static `T` or `None`
     in_flight: Any
+    loop: bool  # the whole chunks run in a loop, the rest (if any) after it
 
     @classmethod
-    def make(cls, query, key, mask, bias, chunk_size, in_flight):
+    def make(cls, query, key, mask, chunk_size, in_flight, loop):
         query_length, key_length = query.shape[1], key.shape[1]
         if query_length is None:
             chunks = ((0, None),)
         else:
             starts = range(0, query_length, chunk_size)
             chunks = tuple((s, min(chunk_size, query_length - s)) for s in starts) or ((0, 0),)
+        loop = loop and len(chunks) > 1
         ranges = tuple(
-            (0, key_length) if mask is None else mask.key_range(start, size, key_length)
+            (0, key_length) if mask is None or loop else mask.key_range(start, size, key_length)
             for start, size in chunks
         )
-        return cls(chunks, ranges, key_length, query_length, in_flight)
+        return cls(chunks, ranges, key_length, query_length, in_flight, loop)
+
+    def looped(self):
+        """`(count, size)` of the equal chunks the loop visits, and the static rest."""
+        size = self.chunks[0][1]
+        count = self.query_length // size
+        return count, size, self.chunks[count:]
 
 
-# ------------------------------------------------------------------------- forward
-def _forward(plan, options, query, key, value, bias, sinks):
-    """`(output, logsumexp)`: `(B, N, T, Hv)` float32 and a list of `(B, N, q, 1)`."""
-    q, key_t, _, v = _heads(query, key, value, options.scale)
-    sink = None if sinks is None else logits_lib.sink_logits(sinks, 4, 1)
-    outputs, logsumexps = [], []
-    for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
-        with _after(outputs, i, plan.in_flight):
-            block = _Block(plan, options, q, start, size, lo, hi, _waiting_on(outputs, i, plan))
-            x, mask, _ = block.logits(key_t, bias)
-            weights, logsumexp = logits_lib.softmax(x, mask, (-1,), sink)
-            weights = block.dropped(weights)
-            values = _slice(v, 2, lo, block.keys)
-            outputs.append(ops.cast(ops.matmul(ops.cast(weights, v.dtype), values), "float32"))
-            logsumexps.append(logsumexp)
-    return _concat(outputs, 2), logsumexps
+class _Inputs:
+    """The kernel's inputs in the heads-first layout the chunks work in."""
 
+    def __init__(self, options, query, key, value, bias, sinks):
+        self.options = options
+        self.query, self.key, self.value, self.bias, self.sinks = query, key, value, bias, sinks
+        self.q = ops.transpose(
+            ops.multiply(query, ops.cast(options.scale, query.dtype)), (0, 2, 1, 3)
+        )
+        self.key_t = ops.transpose(key, (0, 2, 3, 1))  # (B, N, H, S)
+        self.v = ops.transpose(value, (0, 2, 1, 3))  # (B, N, S, Hv)
+        self.sink = None if sinks is None else logits_lib.sink_logits(sinks, 4, 1)
+        self.query_length = ops.shape(self.q)[2]
 
-# ------------------------------------------------------------------------ backward
-def _backward(plan, options, query, key, value, bias, sinks, output, logsumexps, upstream):
-    """Gradients of query, key, value, bias and sinks (`None` for the absent ones)."""
-    query, key, value = _after_upstream((query, key, value), upstream)
-    q, key_t, k, v = _heads(query, key, value, options.scale)
-    d_out = ops.cast(ops.transpose(upstream, (0, 2, 1, 3)), "float32")  # (B, N, T, Hv)
-    # D = rowsum(dO * O) = rowsum(dP * P), the softmax's correction term.
-    correction = ops.sum(d_out * output, axis=-1, keepdims=True)
-    sink = None if sinks is None else logits_lib.sink_logits(sinks, 4, 1)
-    d_key = _KeyGradient(plan, k)
-    d_value = _KeyGradient(plan, v)
-    d_bias = None if bias is None else _BiasGrad(plan, bias)
-    d_queries, d_sink = [], None
-    for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
-        with _after(d_queries, i, plan.in_flight):
-            block = _Block(plan, options, q, start, size, lo, hi, _waiting_on(d_queries, i, plan))
-            x, mask, squashed = block.logits(key_t, bias)
-            weights = ops.exp(x - logsumexps[i])
-            if mask is not None:
-                weights = ops.where(mask, weights, 0.0)
-            d_out_chunk = _slice(d_out, 2, start, size)
-            values = _slice(v, 2, lo, block.keys)
-            dropped = block.dropped(weights)
-            d_value_part = _matmul_t(dropped, d_out_chunk, v.dtype)
-            d_weights = block.dropped(_matmul(d_out_chunk, ops.transpose(values, (0, 1, 3, 2))))
-            row_correction = _slice(correction, 2, start, size)
-            d_logits = weights * (d_weights - row_correction)
-            if d_bias is not None:
-                d_bias.add(d_logits, start, size, lo, hi)
-            if squashed is not None:
-                d_logits = d_logits * (1.0 - ops.square(squashed))
-            keys = _slice(k, 2, lo, block.keys)
-            d_queries.append(_matmul(ops.cast(d_logits, k.dtype), keys))
-            d_key_part = _matmul_t(d_logits, block.query, q.dtype)
-        with _after(d_queries, i + 1, 1):
-            d_value.add(d_value_part, lo, hi)
-            d_key.add(d_key_part, lo, hi)
-            if sink is not None:
-                part = ops.exp(sink - logsumexps[i]) * row_correction
-                part = -ops.sum(part, axis=(0, 2, 3))
-                d_sink = part if d_sink is None else d_sink + part
-    d_query = _concat(d_queries, 2) * options.scale
-    grads = [
-        _from_heads(d_query, query.dtype),
-        _from_heads(d_key.total(), key.dtype),
-        _from_heads(d_value.total(), value.dtype),
-        None if d_bias is None else ops.cast(d_bias.total(), bias.dtype),
-        None if sinks is None else ops.cast(d_sink, sinks.dtype),
-    ]
-    return grads
+    def after(self, upstream):
+        """These inputs as new values that exist only once `upstream` does: the
+        backward's recomputation is then no common subexpression of the forward
+        pass, which graph compilers would keep alive for it (the whole `(T, S)`)."""
+        tensors = (self.query, self.key, self.value)
+        if backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            with tf.control_dependencies([upstream]):
+                tensors = tuple(tf.identity(t) for t in tensors)
+        elif backend.backend() == "jax":
+            import jax
+
+            tensors, _ = jax.lax.optimization_barrier((tensors, upstream))
+        return _Inputs(self.options, *tensors, self.bias, self.sinks)
+
+    def block(self, start, size, lo, keys):
+        return _Block(self, start, size, lo, keys)
 
 
 class _Block:
-    """One chunk of queries against its range of keys."""
+    """One chunk of queries `[start, start + size)` against keys `[lo, lo + keys)`."""
 
-    def __init__(self, plan, options, q, start, size, lo, hi, previous=None):
-        self.options = options
-        self.start, self.lo = start, lo
-        self.size = ops.shape(q)[2] if size is None else size
-        self.keys = None if hi is None else hi - lo
-        self.query = _sequenced(_slice(q, 2, start, size), previous)
-        self.query_length = ops.shape(q)[2] if plan.query_length is None else plan.query_length
+    def __init__(self, inputs, start, size, lo, keys):
+        self.inputs, self.start, self.lo, self.keys = inputs, start, lo, keys
+        self.size = inputs.query_length if size is None else size
+        self.query = _slice(inputs.q, 2, start, size)
 
-    def logits(self, key_t, bias):
+    def logits(self):
         """Float32 logits `(B, N, q, k)`, the block's mask, and `tanh(x / cap)`."""
-        options = self.options
-        keys = ops.shape(key_t)[3] if self.keys is None else self.keys
-        x = logits_lib.logits(self.query, _slice(key_t, 3, self.lo, self.keys))
+        inputs, options = self.inputs, self.inputs.options
+        keys = ops.shape(inputs.key_t)[3] if self.keys is None else self.keys
+        x = logits_lib.logits(self.query, _slice(inputs.key_t, 3, self.lo, self.keys))
         squashed = None
         if options.soft_cap is not None:
             x, squashed = logits_lib.soft_cap(x, options.soft_cap)
-        if bias is not None:
-            x = x + ops.cast(_bias_block(bias, self.start, self.size, self.lo, keys), "float32")
+        if inputs.bias is not None:
+            x = x + ops.cast(
+                _bias_block(inputs.bias, self.start, self.size, self.lo, keys), "float32"
+            )
         mask = None
         if options.mask is not None:
             mask = options.mask.block(self.start, self.size, self.lo, keys)
         return x, mask, squashed
 
+    def values(self):
+        return _slice(self.inputs.v, 2, self.lo, self.keys)
+
     def dropped(self, weights):
         """`weights` with this block's dropout applied (kept ones scaled up)."""
-        options = self.options
+        options = self.inputs.options
         if not options.dropout:
             return weights
         shape = ops.shape(weights)
-        rows = logits_lib.row_ids(shape[0], shape[1], self.query_length, self.start, shape[2])
+        rows = logits_lib.row_ids(
+            shape[0], shape[1], self.inputs.query_length, self.start, shape[2]
+        )
         cols = ops.arange(shape[3], dtype="int32")[None, None, None, :] + self.lo
         keep = logits_lib.dropout_keep(options.seed, rows, cols, options.dropout)
         return ops.where(keep, weights / (1.0 - options.dropout), 0.0)
 
 
-class _KeyGradient:
+# ------------------------------------------------------------------------- forward
+def _forward_chunk(block):
+    """`(output, logsumexp)` of one chunk: `(B, N, q, Hv)` float32, `(B, N, q, 1)`."""
+    x, mask, _ = block.logits()
+    weights, logsumexp = logits_lib.softmax(x, mask, (-1,), block.inputs.sink)
+    weights = ops.cast(block.dropped(weights), block.inputs.v.dtype)
+    return ops.cast(ops.matmul(weights, block.values()), "float32"), logsumexp
+
+
+def _forward(plan, inputs):
+    """`(output, logsumexp)`: `(B, N, T, Hv)` and `(B, N, T, 1)`, float32."""
+    if plan.loop:
+        return _forward_loop(plan, inputs)
+    outputs, logsumexps = [], []
+    for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
+        with _after(outputs, i, plan.in_flight):
+            output, logsumexp = _forward_chunk(inputs.block(start, size, lo, _width(lo, hi)))
+        outputs.append(output)
+        logsumexps.append(logsumexp)
+    return _concat(outputs, 2), _concat(logsumexps, 2)
+
+
+def _forward_loop(plan, inputs):
+    count, size, rest = plan.looped()
+    shape = ops.shape(inputs.q)
+    output = ops.zeros((shape[0], shape[1], shape[2], ops.shape(inputs.v)[3]), "float32")
+    logsumexp = ops.zeros((shape[0], shape[1], shape[2], 1), "float32")
+
+    def visit(start, size, state):
+        output, logsumexp = state
+        chunk, chunk_logsumexp = _forward_chunk(inputs.block(start, size, 0, plan.key_length))
+        return _put(output, chunk, start), _put(logsumexp, chunk_logsumexp, start)
+
+    state = ops.fori_loop(0, count, lambda i, s: visit(i * size, size, s), (output, logsumexp))
+    for start, rest_size in rest:
+        state = visit(start, rest_size, state)
+    return state
+
+
+# ------------------------------------------------------------------------ backward
+def _backward_chunk(block, d_out, correction, logsumexp):
+    """One chunk's gradients: `(d_query, d_key, d_value, d_logits, d_sink)`, the key
+    and value parts over the chunk's key range; `d_logits` before the soft cap's
+    derivative (what the bias receives)."""
+    inputs = block.inputs
+    x, mask, squashed = block.logits()
+    weights = ops.exp(x - logsumexp)
+    if mask is not None:
+        weights = ops.where(mask, weights, 0.0)
+    values = block.values()
+    d_value = _matmul_t(block.dropped(weights), d_out, inputs.v.dtype)
+    d_weights = block.dropped(_matmul(d_out, ops.transpose(values, (0, 1, 3, 2))))
+    d_logits = weights * (d_weights - correction)
+    d_raw = d_logits if squashed is None else d_logits * (1.0 - ops.square(squashed))
+    keys = ops.transpose(_slice(inputs.key_t, 3, block.lo, block.keys), (0, 1, 3, 2))
+    d_query = _matmul(ops.cast(d_raw, inputs.q.dtype), keys)
+    d_key = _matmul_t(d_raw, block.query, inputs.q.dtype)
+    d_sink = None
+    if inputs.sink is not None:
+        d_sink = -ops.sum(ops.exp(inputs.sink - logsumexp) * correction, axis=(0, 2, 3))
+    return d_query, d_key, d_value, d_logits, d_sink
+
+
+def _backward(plan, inputs, output, logsumexp, upstream):
+    """Gradients of query, key, value, bias and sinks (`None` for the absent ones)."""
+    inputs = inputs.after(upstream)
+    d_out = ops.cast(ops.transpose(upstream, (0, 2, 1, 3)), "float32")  # (B, N, T, Hv)
+    # D = rowsum(dO * O) = rowsum(dP * P), the softmax's correction term.
+    correction = ops.sum(d_out * output, axis=-1, keepdims=True)
+    total = _Gradients(plan, inputs)
+
+    def visit(start, size, lo, hi, state):
+        block = inputs.block(start, size, lo, _width(lo, hi))
+        rows = [_slice(t, 2, start, size) for t in (d_out, correction, logsumexp)]
+        return total.add(state, block, _backward_chunk(block, *rows))
+
+    if plan.loop:
+        count, size, rest = plan.looped()
+        state = ops.fori_loop(
+            0,
+            count,
+            lambda i, s: visit(i * size, size, 0, plan.key_length, s),
+            total.zeros(),
+        )
+        for start, rest_size in rest:
+            state = visit(start, rest_size, 0, plan.key_length, state)
+    else:
+        state = None
+        for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
+            with _after(total.d_queries, i, plan.in_flight):
+                state = visit(start, size, lo, hi, state)
+    d_query, d_key, d_value, d_bias, d_sink = total.finish(state)
+    return [
+        _from_heads(d_query * inputs.options.scale, inputs.query.dtype),
+        _from_heads(d_key, inputs.key.dtype),
+        _from_heads(d_value, inputs.value.dtype),
+        None if d_bias is None else ops.cast(d_bias, inputs.bias.dtype),
+        None if d_sink is None else ops.cast(d_sink, inputs.sinks.dtype),
+    ]
+
+
+class _Gradients:
+    """Sums the chunks' gradients.
+
+    In a loop, the state is full-size buffers (updated in place by XLA). Unrolled,
+    the query gradients are kept per chunk and the key and value gradients summed
+    over growing key prefixes (`_KeySum`).
+    """
+
+    def __init__(self, plan, inputs):
+        self.plan, self.inputs = plan, inputs
+        self.bias_shape = None if inputs.bias is None else tuple(inputs.bias.shape)
+        self.d_queries = []
+
+    def zeros(self):
+        inputs = self.inputs
+        shape = tuple(ops.shape(inputs.q))
+        value_channels = ops.shape(inputs.v)[3]
+        state = [
+            ops.zeros(shape, "float32"),
+            ops.zeros(shape[:2] + (self.plan.key_length, shape[3]), "float32"),
+            ops.zeros(shape[:2] + (self.plan.key_length, value_channels), "float32"),
+            None if inputs.bias is None else ops.zeros(ops.shape(inputs.bias), "float32"),
+            None if inputs.sink is None else ops.zeros(ops.shape(inputs.sinks), "float32"),
+        ]
+        return tuple(x for x in state if x is not None)
+
+    def add(self, state, block, parts):
+        d_query, d_key, d_value, d_logits, d_sink = parts
+        d_bias = None if self.bias_shape is None else self._bias_part(d_logits)
+        if self.plan.loop:
+            return self._add_in_place(state, block, d_query, d_key, d_value, d_bias, d_sink)
+        if state is None:
+            state = _Unrolled(self.plan, self.inputs, self.bias_shape)
+        self.d_queries.append(d_query)
+        with _after(self.d_queries, len(self.d_queries), 1):
+            state.add(block, d_key, d_value, d_bias, d_sink)
+        return state
+
+    def _add_in_place(self, state, block, d_query, d_key, d_value, d_bias, d_sink):
+        state = list(state)
+        state[0] = _put(state[0], d_query, block.start)
+        state[1] = state[1] + d_key
+        state[2] = state[2] + d_value
+        i = 3
+        if d_bias is not None:
+            if self.bias_shape[2] != 1:
+                state[i] = _put(state[i], d_bias, block.start)
+            else:
+                state[i] = state[i] + d_bias
+            i += 1
+        if d_sink is not None:
+            state[i] = state[i] + d_sink
+        return tuple(state)
+
+    def _bias_part(self, d_logits):
+        """`d_logits` summed over the axes the bias broadcasts along."""
+        axes = tuple(i for i, d in enumerate(self.bias_shape) if d == 1)
+        return ops.sum(d_logits, axis=axes, keepdims=True) if axes else d_logits
+
+    def finish(self, state):
+        if self.plan.loop:
+            state = list(state)
+            d_query, d_key, d_value = state[:3]
+            rest = state[3:]
+            d_bias = rest.pop(0) if self.bias_shape is not None else None
+            d_sink = rest.pop(0) if self.inputs.sink is not None else None
+            return d_query, d_key, d_value, d_bias, d_sink
+        d_query = _concat(self.d_queries, 2)
+        return (d_query, *state.finish())
+
+
+class _Unrolled:
+    """The unrolled chunks' key, value, bias and sink gradients."""
+
+    def __init__(self, plan, inputs, bias_shape):
+        self.d_key = _KeySum(plan.key_length, inputs.key_t, channels_of=inputs.q)
+        self.d_value = _KeySum(plan.key_length, inputs.key_t, channels_of=inputs.v)
+        self.bias_shape, self.key_length = bias_shape, plan.key_length
+        self.bias_rows, self.bias_sum, self.d_sink = [], None, None
+
+    def add(self, block, d_key, d_value, d_bias, d_sink):
+        hi = None if block.keys is None else block.lo + block.keys
+        self.d_key.add(d_key, block.lo, hi)
+        self.d_value.add(d_value, block.lo, hi)
+        if d_bias is not None:
+            if self.bias_shape[3] != 1 and hi is not None:
+                d_bias = ops.pad(d_bias, [(0, 0)] * 3 + [(block.lo, self.key_length - hi)])
+            if self.bias_shape[2] != 1:
+                self.bias_rows.append(d_bias)
+            else:
+                self.bias_sum = d_bias if self.bias_sum is None else self.bias_sum + d_bias
+        if d_sink is not None:
+            self.d_sink = d_sink if self.d_sink is None else self.d_sink + d_sink
+
+    def finish(self):
+        d_bias = self.bias_sum
+        if self.bias_rows:
+            d_bias = _concat(self.bias_rows, 2)
+        return self.d_key.total(), self.d_value.total(), d_bias, self.d_sink
+
+
+class _KeySum:
     """A `(B, N, S, C)` float32 gradient summed from per-chunk key ranges `[lo, hi)`.
 
     The running sum covers keys `[0, largest hi so far)`: a causal chunk's range
@@ -240,9 +428,9 @@ class _KeyGradient:
     fusing the chain into one `AddN`, which would hold every chunk's part at once.
     """
 
-    def __init__(self, plan, like):
-        self.length = plan.key_length
-        self.like = like  # a (B, N, S, C) tensor: the leading and channel sizes
+    def __init__(self, length, key_t, channels_of):
+        self.length = length
+        self.key_t, self.channels_of = key_t, channels_of
         self.sum, self.covered = None, 0
 
     def add(self, part, lo, hi):
@@ -262,53 +450,25 @@ class _KeyGradient:
 
     def total(self):
         if self.sum is None:  # no query sees any key
-            shape = ops.shape(self.like)
-            return ops.zeros((shape[0], shape[1], shape[2], shape[3]), "float32")
+            lead, channels = ops.shape(self.key_t), ops.shape(self.channels_of)[3]
+            return ops.zeros((lead[0], lead[1], lead[3], channels), "float32")
         if self.length is not None and self.covered < self.length:
             return _pad_keys(self.sum, 0, self.length - self.covered)
         return self.sum
+
+
+# ------------------------------------------------------------------------- helpers
+def _width(lo, hi):
+    return None if hi is None else hi - lo
 
 
 def _pad_keys(x, before, after):
     return ops.pad(x, [(0, 0), (0, 0), (before, after), (0, 0)])
 
 
-class _BiasGrad:
-    """The gradient of a rank-4 bias: each chunk's `d_logits` summed over the axes
-    the bias broadcasts along, placed at its queries and keys."""
-
-    def __init__(self, plan, bias):
-        self.plan = plan
-        self.shape = tuple(bias.shape)
-        self.broadcast = tuple(i for i, d in enumerate(self.shape) if d == 1)
-        self.rows = []  # per chunk, when the bias has a query axis
-        self.total_ = None
-
-    def add(self, d_logits, start, size, lo, hi):
-        part = d_logits
-        if self.broadcast:
-            part = ops.sum(part, axis=self.broadcast, keepdims=True)
-        if self.shape[3] != 1 and hi is not None:
-            length = self.plan.key_length
-            part = ops.pad(part, [(0, 0), (0, 0), (0, 0), (lo, length - hi)])
-        if self.shape[2] != 1:
-            self.rows.append(part)
-        else:
-            self.total_ = part if self.total_ is None else self.total_ + part
-
-    def total(self):
-        return _concat(self.rows, 2) if self.shape[2] != 1 else self.total_
-
-
-# ------------------------------------------------------------------------- helpers
-def _heads(query, key, value, scale):
-    """Heads-first `(B, N, T, H)` scaled query, `(B, N, H, S)` and `(B, N, S, H)` keys,
-    `(B, N, S, Hv)` values."""
-    q = ops.transpose(ops.multiply(query, ops.cast(scale, query.dtype)), (0, 2, 1, 3))
-    key_t = ops.transpose(key, (0, 2, 3, 1))
-    k = ops.transpose(key, (0, 2, 1, 3))
-    v = ops.transpose(value, (0, 2, 1, 3))
-    return q, key_t, k, v
+def _put(buffer, chunk, start):
+    """`buffer` with `chunk` written at rows `start ...` (axis 2)."""
+    return ops.slice_update(buffer, [0, 0, start, 0], chunk)
 
 
 def _from_heads(x, dtype):
@@ -354,49 +514,18 @@ def _concat(parts, axis):
 
 def _slice(x, axis, start, size):
     """`x[..., start:start + size, ...]` along `axis`; `size=None` keeps the rest."""
+    static_start = isinstance(start, int)
     if size is None:
-        return x if start == 0 else x[(slice(None),) * axis + (slice(start, None),)]
-    if start == 0 and x.shape[axis] == size:
+        return (
+            x if static_start and start == 0 else x[(slice(None),) * axis + (slice(start, None),)]
+        )
+    if static_start and start == 0 and x.shape[axis] == size:
         return x
     starts = [0] * len(x.shape)
     starts[axis] = start
     shape = list(ops.shape(x))
     shape[axis] = size
     return ops.slice(x, starts, shape)
-
-
-def _after_upstream(tensors, upstream):
-    """`tensors`, as new values that exist only once the upstream gradient does: the
-    backward's recomputation is then no common subexpression of the forward pass,
-    which graph compilers would otherwise keep alive for it (the whole `(T, S)`)."""
-    if backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        with tf.control_dependencies([upstream]):
-            return tuple(tf.identity(t) for t in tensors)
-    if backend.backend() == "jax":
-        import jax
-
-        tensors, _ = jax.lax.optimization_barrier((tuple(tensors), upstream))
-    return tensors
-
-
-def _waiting_on(outputs, index, plan):
-    """The output chunk `index` waits for under `plan.in_flight`, or `None`."""
-    if not plan.in_flight or index < plan.in_flight:
-        return None
-    return outputs[index - plan.in_flight]
-
-
-def _sequenced(x, previous):
-    """`x`, available only once `previous` is computed (JAX: an optimization barrier,
-    so XLA frees one chunk's buffers before the next chunk allocates its own)."""
-    if previous is None or backend.backend() != "jax":
-        return x
-    import jax
-
-    x, _ = jax.lax.optimization_barrier((x, previous))
-    return x
 
 
 def _after(outputs, index, in_flight):

@@ -22,9 +22,13 @@ class Policy:
             "fused" (the backend's own kernel), "chunked" or "explicit".
         chunk_size: query rows per chunk of the chunked kernel (the layer's
             `chunk_size=None`).
-        in_flight: how many query chunks may run at once; `None` for no limit.
-            TensorFlow's graph executor otherwise starts every chunk together
-            and the memory saving is gone.
+        in_flight: how many unrolled query chunks may run at once; `None` for no
+            limit. TensorFlow's graph executor otherwise starts every chunk
+            together and the memory saving is gone.
+        loop: the chunked kernel visits its chunks in a compiled loop instead of
+            unrolling them. XLA schedules unrolled chunks together and keeps all
+            their buffers; in a loop each chunk sees every key (masked), so a
+            causal call does the whole `T x S` work instead of half.
         trains: the backend computes gradients (the chunked kernel then brings
             its own memory-lean backward).
         in_place_bias: the projections add their bias into the fresh product in
@@ -38,6 +42,7 @@ class Policy:
     kernel: str
     chunk_size: int = 256
     in_flight: int | None = None
+    loop: bool = False
     trains: bool = True
     in_place_bias: bool = False
     fused_float16: bool = False
@@ -48,8 +53,8 @@ class Policy:
 POLICIES = {
     ("tensorflow", "cpu"): Policy("chunked", chunk_size=128, in_flight=2),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2),
-    ("jax", "cpu"): Policy("chunked", chunk_size=256, in_flight=1),
-    ("jax", "gpu"): Policy("fused", chunk_size=512, fused_float16=True),
+    ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
+    ("jax", "gpu"): Policy("fused", chunk_size=512, loop=True, fused_float16=True),
     ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
     ("torch", "gpu"): Policy("fused", chunk_size=512, in_place_bias=True, fused_float16=True),
     ("numpy", "cpu"): Policy("explicit", trains=False),
