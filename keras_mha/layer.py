@@ -5,15 +5,19 @@ The math lives in `kernels.py`, the masks in `masks.py`, the einsum bookkeeping 
 call -> masks -> projections -> attention kernel -> output projection.
 """
 
+import inspect
 import math
 
 import keras
+import numpy as np
 from keras import constraints, initializers, ops, regularizers
 from keras.layers import Dropout
 
 from keras_mha import cache as cache_lib
 from keras_mha import checks, equations, kernels, norms, projections
 from keras_mha import masks as masks_lib
+
+_MASK_ARGUMENTS = ("query_mask", "value_mask", "key_mask", "attention_mask")
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -169,20 +173,25 @@ class MultiHeadAttention(keras.layers.Layer):
                 "num_key_value_heads",
                 f"a divisor of num_heads={num_heads}",
                 num_key_value_heads,
+                keras_wording=checks.KERAS_KV_HEADS,
             )
-        normalize_qk = checks.boolean("normalize_qk", normalize_qk)
+        normalize_qk = checks.flag("normalize_qk", normalize_qk)
         key_dim = checks.positive_int("key_dim", key_dim)
         value_dim = checks.positive_int("value_dim", value_dim, allow_none=True)
         dropout = checks.rate("dropout", dropout)
-        use_bias = checks.boolean("use_bias", use_bias)
+        use_bias = checks.flag("use_bias", use_bias)
         output_shape = checks.output_shape(output_shape)
         attention_axes = checks.attention_axes(attention_axes)
-        sliding_window = checks.positive_int("sliding_window", sliding_window, allow_none=True)
-        flash_attention = checks.boolean("flash_attention", flash_attention, True)
-        use_gate = checks.boolean("use_gate", use_gate)
-        if seed is not None and not isinstance(seed, int):
-            raise checks.invalid("seed", "an integer or `None`", seed)
-        return_attention_scores = checks.boolean("return_attention_scores", return_attention_scores)
+        sliding_window = checks.positive_int(
+            "sliding_window",
+            sliding_window,
+            allow_none=True,
+            keras_wording=checks.KERAS_SLIDING_WINDOW,
+        )
+        flash_attention = checks.flag("flash_attention", flash_attention, allow_none=True)
+        use_gate = checks.flag("use_gate", use_gate)
+        seed = checks.integer("seed", seed, allow_none=True)
+        return_attention_scores = checks.flag("return_attention_scores", return_attention_scores)
         if implementation == "auto":
             implementation = None
         checks.one_of("implementation", implementation, (None,) + kernels.IMPLEMENTATIONS)
@@ -312,6 +321,7 @@ class MultiHeadAttention(keras.layers.Layer):
         rank = len(query_shape)
         # Validated before any state exists, so a rejected build leaves nothing.
         normalized_axes = checks.attention_axes_for_rank(self._attention_axes, rank)
+        checks.free_axes(query_shape, value_shape, normalized_axes)
 
         self._query_dense = self._projection(rank, self._num_heads, self._key_dim, "query")
         self._query_dense.build(query_shape)
@@ -388,11 +398,13 @@ class MultiHeadAttention(keras.layers.Layer):
     # ------------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
         try:
-            arguments = self._call_signature.bind(*args, **kwargs).arguments
+            bound = inspect.signature(self.call).bind(*args, **kwargs)
         except TypeError:
-            arguments = None  # a wrong signature: Keras reports it
-        if arguments is not None:
-            checks.call_arguments(arguments, self._attention_axes)
+            bound = None  # a wrong signature: Keras reports it
+        if bound is not None:
+            args, kwargs = _masks_as_arrays(bound, args, kwargs)
+            arguments = bound.signature.bind(*args, **kwargs).arguments
+            checks.call_arguments(arguments, self._attention_axes, self._num_heads)
         return super().__call__(*args, **kwargs)
 
     def call(
@@ -414,6 +426,7 @@ class MultiHeadAttention(keras.layers.Layer):
             key = value
         if query_mask is None:
             query_mask = masks_lib.get_keras_mask(query)
+        value, key = (self._broadcast_free_axes(query, x) for x in (value, key))
         need_scores = self._wants_scores(return_attention_scores)
         cache_update_index = self._check_cache(query, cache, cache_update_index)
         self._check_call(
@@ -519,7 +532,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def _wants_scores(self, return_attention_scores):
         if return_attention_scores is None:
             return self._return_attention_scores
-        return checks.boolean("return_attention_scores", return_attention_scores)
+        return checks.flag("return_attention_scores", return_attention_scores)
 
     def _project(self, query, key, value):
         """Runs the projections; returns `(query, key, value, gate or None)`.
@@ -541,6 +554,25 @@ class MultiHeadAttention(keras.layers.Layer):
                     masks_lib.set_keras_mask(x, mask)
         return (*projected, gate)
 
+    def _broadcast_free_axes(self, query, x):
+        """N-d attention over some axes: a value/key of size 1 on an axis attention does
+        not run over broadcasts to the query's size there (as einsum does on JAX and
+        torch, and TensorFlow's does not)."""
+        free = [i for i in range(1, len(x.shape) - 1) if i not in self._attention_axes]
+        grow = [
+            i
+            for i in free
+            if checks.is_known(x.shape[i])
+            and x.shape[i] == 1
+            and checks.is_known(query.shape[i])
+            and query.shape[i] != 1
+        ]
+        if not grow:
+            return x
+        shape = ops.shape(x)
+        target = [query.shape[i] if i in grow else shape[i] for i in range(len(x.shape))]
+        return ops.broadcast_to(x, target)
+
     def _check_call(
         self, query, value, key, query_mask, value_mask, key_mask, mask, key_length=None
     ):
@@ -552,24 +584,25 @@ class MultiHeadAttention(keras.layers.Layer):
             ("value", value, built_value),
             ("key", key, built_key),
         ):
-            if len(tensor.shape) != len(built) or tensor.shape[-1] != built[-1]:
+            if len(tensor.shape) != len(built) or checks.dims_differ(tensor.shape[-1], built[-1]):
                 raise checks.invalid(
                     name,
                     f"shape (..., {built[-1]}) of rank {len(built)}, as when the layer was built",
-                    f"shape {tuple(tensor.shape)}",
+                    f"shape {checks.shape_str(tensor.shape)}",
                 )
         axes = self._attention_axes
-        batch = (query.shape[0],)
-        query_dims = tuple(query.shape[a] for a in axes)
-        key_dims = tuple(value.shape[a] for a in axes)
-        value_dims, key_input_dims = tuple(value.shape[1:-1]), tuple(key.shape[1:-1])
+        query_shape, value_shape = tuple(query.shape), tuple(value.shape)
+        checks.free_axes(query_shape, value_shape, axes)
+        batch = query_shape[:1]
+        value_dims, key_input_dims = value_shape[1:-1], tuple(key.shape[1:-1])
         if key_length is not None:
-            key_dims = value_dims = key_input_dims = (key_length,)
-        checks.mask("query_mask", query_mask, batch + tuple(query.shape[1:-1]))
+            value_dims = key_input_dims = (key_length,)
+            value_shape = batch + value_dims + value_shape[-1:]
+        checks.mask("query_mask", query_mask, batch + query_shape[1:-1])
         checks.mask("value_mask", value_mask, batch + value_dims)
         checks.mask("key_mask", key_mask, batch + key_input_dims)
-        extra = tuple(query.shape[i] for i in range(1, len(query.shape) - 1) if i not in axes)
-        checks.mask("attention_mask", mask, batch + extra + query_dims + key_dims)
+        scores = checks.scores_shape(query_shape, value_shape, axes, self._num_heads)
+        checks.attention_mask(mask, scores, len(axes))
 
     # -------------------------------------------------------------------- attention
     def _compute_attention_mask(
@@ -716,7 +749,9 @@ class MultiHeadAttention(keras.layers.Layer):
 
     # ---------------------------------------------------------------------- shapes
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
-        query_shape, _, _ = checks.input_shapes(query_shape, value_shape, key_shape)
+        query_shape, value_shape, _ = checks.input_shapes(query_shape, value_shape, key_shape)
+        axes = checks.attention_axes_for_rank(self._attention_axes, len(query_shape))
+        checks.free_axes(query_shape, value_shape, axes)
         if self._output_shape:
             return tuple(query_shape[:-1]) + tuple(self._output_shape)
         return tuple(query_shape)
@@ -754,3 +789,19 @@ class MultiHeadAttention(keras.layers.Layer):
             tuple(query.shape[:-1]) + heads, key_positions + heads, axes
         )
         return (output, keras.KerasTensor(scores, dtype=self.compute_dtype), *cache_spec)
+
+
+def _masks_as_arrays(bound, args, kwargs):
+    """Masks given as (nested) lists, which the built-in's ops accept, as NumPy arrays
+    (Keras converts those to tensors); every other argument is passed on as given."""
+    args, kwargs = list(args), dict(kwargs)
+    positions = list(bound.signature.parameters)
+    for name in _MASK_ARGUMENTS:
+        value = bound.arguments.get(name)
+        if not isinstance(value, (list, tuple)):
+            continue
+        if name in kwargs:
+            kwargs[name] = np.asarray(value)
+        else:
+            args[positions.index(name)] = np.asarray(value)
+    return tuple(args), kwargs

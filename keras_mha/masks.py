@@ -8,18 +8,7 @@ inserting axes just before the query attention dims.
 
 from keras import ops
 
-try:  # Keras keeps implicit masks as a tensor attribute; its accessors are private.
-    from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-except ImportError:  # pragma: no cover - older/newer Keras layouts
-
-    def get_keras_mask(x):
-        return getattr(x, "_keras_mask", None)
-
-    def set_keras_mask(x, mask):
-        try:
-            x._keras_mask = mask
-        except AttributeError:
-            pass
+from keras_mha._keras_private import get_keras_mask, set_keras_mask  # noqa: F401
 
 
 def causal_mask(query_length, key_length, offset=0):
@@ -52,12 +41,11 @@ def logical_and(*masks):
 
 
 def as_bool(mask):
-    """Boolean view of a mask given as bool, integers or floats (`> 0.5` is kept)."""
+    """Boolean view of a mask given as bool, integers or floats: non-zero is kept, as
+    the built-in's `ops.cast(mask, "bool")` reads it."""
     if mask is None or _is_bool(mask):
         return mask
-    if "int" in str(mask.dtype):
-        return ops.not_equal(mask, 0)
-    return ops.greater(mask, 0.5)
+    return ops.not_equal(mask, 0)
 
 
 def merge_masks(
@@ -93,7 +81,12 @@ def merge_masks(
         parts.append(causal_mask(query_length, key_length, offset))
     if sliding_window is not None:
         parts.append(sliding_window_mask(query_length, key_length, sliding_window, offset))
-    return logical_and(attention_mask, *parts)
+    merged = logical_and(*parts)
+    if attention_mask is not None and merged is not None:
+        # A user mask with a heads axis, (B, N, T, S): the (B or 1, T, S) parts get
+        # theirs before T, as the scores do, instead of aligning B with N.
+        merged = expand_to_scores(merged, len(attention_mask.shape), 1)
+    return logical_and(attention_mask, merged)
 
 
 def expand_to_scores(mask, scores_rank, num_attention_axes):
