@@ -260,19 +260,15 @@ def scores_shape(query_shape, value_shape, axes, num_heads):
 
 
 def call_arguments(arguments, axes, num_heads):
-    """A call's arguments as given, checked before Keras converts them to tensors (a
+    """A call's inputs and masks, checked before Keras converts them to tensors (a
     string mask would fail there, naming nothing) or builds the layer, so a rejected
-    call leaves no weights behind.
+    call leaves no weights behind. (Its flags are checked by `flag` as they come.)
 
     Args:
         arguments: the call's arguments by name (`inspect.BoundArguments.arguments`).
         axes: the layer's `attention_axes` (as given, or normalized once built).
         num_heads: the layer's number of (query) heads.
     """
-    if "use_causal_mask" in arguments:
-        flag("use_causal_mask", arguments["use_causal_mask"], allow_none=True)
-    if "return_attention_scores" in arguments:
-        flag("return_attention_scores", arguments["return_attention_scores"], True)
     query, value, key = (arguments.get(name) for name in ("query", "value", "key"))
     if not all(hasattr(x, "shape") for x in (query, value) + ((key,) if key is not None else ())):
         return

@@ -17,6 +17,7 @@ import functools
 
 from keras import backend, ops
 
+from keras_mha import checks
 from keras_mha import masks as masks_lib
 
 IMPLEMENTATIONS = ("explicit", "fused", "chunked")
@@ -215,7 +216,8 @@ def _torch_attention(query, key, value, *, mask, scale, is_causal):
 
     dtype = backend.result_type(query.dtype, key.dtype, value.dtype)
     query, key, value = (ops.cast(x, dtype).transpose(1, 2) for x in (query, key, value))
-    if key.shape[2] >= CONTIGUOUS_KEYS_FROM:
+    # A symbolic length (torch.export) is not compared: that would add a guard.
+    if checks.is_known(key.shape[2]) and key.shape[2] >= CONTIGUOUS_KEYS_FROM:
         key, value = key.contiguous(), value.contiguous()
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale

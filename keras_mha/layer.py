@@ -18,6 +18,9 @@ from keras_mha import checks, equations, kernels, norms, projections
 from keras_mha import masks as masks_lib
 
 _MASK_ARGUMENTS = ("query_mask", "value_mask", "key_mask", "attention_mask")
+# Call flags -> what `None` means: no causal mask, as the built-in reads it; the
+# constructor's default for the scores.
+_FLAG_ARGUMENTS = {"use_causal_mask": False, "return_attention_scores": None}
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -402,7 +405,7 @@ class MultiHeadAttention(keras.layers.Layer):
         except TypeError:
             bound = None  # a wrong signature: Keras reports it
         if bound is not None:
-            args, kwargs = _masks_as_arrays(bound, args, kwargs)
+            args, kwargs = _as_the_builtin_reads_them(bound, args, kwargs)
             arguments = bound.signature.bind(*args, **kwargs).arguments
             checks.call_arguments(arguments, self._attention_axes, self._num_heads)
         return super().__call__(*args, **kwargs)
@@ -695,8 +698,9 @@ class MultiHeadAttention(keras.layers.Layer):
             dropout_active=dropout_active,
             projected_rank=projected_rank,
             same_head_dims=key.shape[-1] == value.shape[-1],
-            query_length=query.shape[1],
-            key_length=key.shape[1],
+            # Symbolic lengths (jax.export, torch.export) count as unknown.
+            query_length=query.shape[1] if checks.is_known(query.shape[1]) else None,
+            key_length=key.shape[1] if checks.is_known(key.shape[1]) else None,
         )
         scores_rank = projected_rank if num_axes == 1 else projected_rank - 1 + num_axes
         mask = masks_lib.expand_to_scores(masks_lib.as_bool(attention_mask), scores_rank, num_axes)
@@ -791,17 +795,26 @@ class MultiHeadAttention(keras.layers.Layer):
         return (output, keras.KerasTensor(scores, dtype=self.compute_dtype), *cache_spec)
 
 
-def _masks_as_arrays(bound, args, kwargs):
-    """Masks given as (nested) lists, which the built-in's ops accept, as NumPy arrays
-    (Keras converts those to tensors); every other argument is passed on as given."""
+def _as_the_builtin_reads_them(bound, args, kwargs):
+    """The call's arguments, with flags and masks in the form `call` works with:
+    flags given as ints or NumPy bools (which Keras would turn into tensors) become
+    Python bools, masks given as (nested) lists become NumPy arrays (which Keras turns
+    into tensors). Everything else is passed on as given; invalid flags are rejected.
+    """
     args, kwargs = list(args), dict(kwargs)
     positions = list(bound.signature.parameters)
-    for name in _MASK_ARGUMENTS:
-        value = bound.arguments.get(name)
-        if not isinstance(value, (list, tuple)):
-            continue
+
+    def replace(name, value):
         if name in kwargs:
-            kwargs[name] = np.asarray(value)
+            kwargs[name] = value
         else:
-            args[positions.index(name)] = np.asarray(value)
+            args[positions.index(name)] = value
+
+    for name in _MASK_ARGUMENTS:
+        if isinstance(bound.arguments.get(name), (list, tuple)):
+            replace(name, np.asarray(bound.arguments[name]))
+    for name, if_none in _FLAG_ARGUMENTS.items():
+        if name in bound.arguments:
+            value = bound.arguments[name]
+            replace(name, if_none if value is None else checks.flag(name, value))
     return tuple(args), kwargs
