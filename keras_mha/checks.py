@@ -176,8 +176,12 @@ def attention_axes_for_rank(axes, input_rank):
 
 
 # --------------------------------------------------------------------------- inputs
-def input_shapes(query_shape, value_shape, key_shape):
-    """Ranks and matching dims of query/value/key, before anything is built."""
+def input_shapes(query_shape, value_shape, key_shape, building=False):
+    """Ranks and matching dims of query/value/key.
+
+    With `building`, the last dimensions must be known: the projections' weights are
+    made from them. Afterwards they may be symbolic (a tracer's), like any other.
+    """
     query_shape, value_shape = _as_shape("query", query_shape), _as_shape("value", value_shape)
     key_shape = value_shape if key_shape is None else _as_shape("key", key_shape)
     # The built-in's first check, with its wording: key and value agree but for
@@ -206,10 +210,9 @@ def input_shapes(query_shape, value_shape, key_shape):
                 f"shape {shape_str(shape)}",
                 f"with query.shape={shape_str(query_shape)}",
             )
-        if not is_known(shape[-1]):
+    for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+        if building and not is_known(shape[-1]):
             raise invalid(name, "a known last dimension", f"shape {shape_str(shape)}")
-    if not is_known(query_shape[-1]):
-        raise invalid("query", "a known last dimension", f"shape {shape_str(query_shape)}")
     batches = {int(d) for d in (query_shape[0], value_shape[0], key_shape[0]) if is_known(d)}
     if len(batches - {1}) > 1:
         raise invalid(

@@ -319,7 +319,7 @@ class MultiHeadAttention(keras.layers.Layer):
             key_shape: Optional `(B, S, dim_k)`; `None` means `value_shape`.
         """
         query_shape, value_shape, key_shape = checks.input_shapes(
-            query_shape, value_shape, key_shape
+            query_shape, value_shape, key_shape, building=True
         )
         rank = len(query_shape)
         # Validated before any state exists, so a rejected build leaves nothing.
