@@ -5,6 +5,7 @@ The math lives in `kernels.py`, the masks in `masks.py`, the einsum bookkeeping 
 call -> masks -> projections -> attention kernel -> output projection.
 """
 
+import functools
 import inspect
 import math
 
@@ -100,12 +101,16 @@ class MultiHeadAttention(keras.layers.Layer):
         query_mask, value_mask, key_mask: Optional `(B, T)` / `(B, S)` padding masks.
             Keras implicit masks (`Embedding(mask_zero=True)`, `Masking`) on the
             inputs fill them automatically; the query's mask is set on the output.
-        attention_mask: Optional boolean mask broadcastable to `(B, T, S)`;
-            `True` means "may attend".
+        attention_mask: Optional mask broadcastable to the scores as the built-in
+            broadcasts it: `(T, S)`, `(B, T, S)` or, per head, `(B, N, T, S)` (for
+            N-d attention, missing axes are inserted before the query attention
+            dims). Bool, int or float (also a list); `True`/non-zero means "may
+            attend".
         return_attention_scores: If `True`, return `(output, scores)`; `None` uses
             the constructor's value.
         training: Whether dropout applies.
-        use_causal_mask: Query `t` attends only to keys `s <= t`.
+        use_causal_mask: Query `t` attends only to keys `s <= t`. Flags take Python
+            or NumPy bools and ints, as the built-in reads them.
         cache: Optional KV cache `(B, 2, max_length, Nkv, key_dim)` (see
             `init_cache`; needs `value_dim == key_dim` and `(B, T, dim)` inputs).
             Attention then runs over the cache's `max_length` positions: masks over
@@ -401,7 +406,7 @@ class MultiHeadAttention(keras.layers.Layer):
     # ------------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
         try:
-            bound = inspect.signature(self.call).bind(*args, **kwargs)
+            bound = _call_signature(type(self)).bind(*args, **kwargs)
         except TypeError:
             bound = None  # a wrong signature: Keras reports it
         if bound is not None:
@@ -793,6 +798,13 @@ class MultiHeadAttention(keras.layers.Layer):
             tuple(query.shape[:-1]) + heads, key_positions + heads, axes
         )
         return (output, keras.KerasTensor(scores, dtype=self.compute_dtype), *cache_spec)
+
+
+@functools.cache
+def _call_signature(cls):
+    """The signature of `cls.call` without `self` (a subclass may change it)."""
+    signature = inspect.signature(cls.call)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 def _as_the_builtin_reads_them(bound, args, kwargs):
