@@ -823,8 +823,12 @@ def _as_the_builtin_reads_them(bound, args, kwargs):
             args[positions.index(name)] = value
 
     for name in _MASK_ARGUMENTS:
-        if isinstance(bound.arguments.get(name), (list, tuple)):
-            replace(name, np.asarray(bound.arguments[name]))
+        value = bound.arguments.get(name)
+        if isinstance(value, (list, tuple)):
+            try:
+                replace(name, np.asarray(value))
+            except ValueError:  # ragged
+                raise checks.invalid(name, "a mask of one shape", value) from None
     for name, if_none in _FLAG_ARGUMENTS.items():
         if name in bound.arguments:
             value = bound.arguments[name]

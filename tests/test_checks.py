@@ -201,6 +201,14 @@ def test_attention_mask_that_cannot_broadcast_to_the_scores(shape, rng):
     assert not layer.built
 
 
+def test_a_ragged_list_mask_is_rejected_by_name(rng):
+    q, v = random_inputs(rng, (B, T, DIM), (B, S, DIM))
+    layer = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4)
+    with pytest.raises(ValueError, match=r"argument `attention_mask`, expected a mask of one"):
+        layer(q, v, attention_mask=[[1, 0], [1]])
+    assert not layer.built
+
+
 # ------------------------------------------------------------------------- wording
 @pytest.mark.parametrize(
     "kwargs, keras_words, name",

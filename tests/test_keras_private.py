@@ -55,3 +55,13 @@ def test_no_other_module_imports_keras_src():
             if isinstance(node, ast.Attribute) and node.attr in KERAS_PRIVATE_ATTRIBUTES:
                 offenders.append(f"{path.name}: .{node.attr}")
     assert offenders == []
+
+
+def test_our_private_attributes_do_not_shadow_keras_ones():
+    """`_built_shapes` (the shapes `build` saw, read by interop.py) is ours, not
+    Keras's (whose private record is `_build_shapes_dict`): a Keras that started
+    using the name would collide with it."""
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    assert not hasattr(layer, "_built_shapes")
+    assert not hasattr(keras.layers.Layer, "_built_shapes")
