@@ -25,7 +25,7 @@ test-backends: $(STAMP)
 	$(BIN)/python tests/run_backends.py --backends $(BACKENDS) --no-notebooks
 
 test-notebooks: $(STAMP)
-	$(BIN)/python tests/run_backends.py --backends --notebook-backend $(NOTEBOOK_BACKEND)
+	$(BIN)/python tests/run_backends.py --backends --inference-backends --notebook-backend $(NOTEBOOK_BACKEND)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

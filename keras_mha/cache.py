@@ -48,7 +48,10 @@ def validate(cache, *, query_shape, num_key_value_heads, key_dim, index_given):
     expected = f"(batch, 2, max_length, {num_key_value_heads}, {key_dim})"
     if len(shape) != 5:
         raise checks.invalid("cache", f"a rank-5 tensor of shape {expected}", f"shape {shape}")
-    if shape[1] != 2 or shape[3] != num_key_value_heads or shape[4] != key_dim:
+    if any(
+        checks.dims_differ(have, want)
+        for have, want in zip(shape[3:], (num_key_value_heads, key_dim))
+    ) or checks.dims_differ(shape[1], 2):
         raise checks.invalid("cache", f"a tensor of shape {expected}", f"shape {shape}")
     if len(query_shape) != 3:
         raise checks.invalid(
@@ -57,14 +60,15 @@ def validate(cache, *, query_shape, num_key_value_heads, key_dim, index_given):
             f"shape {tuple(query_shape)}",
         )
     batch = query_shape[0]
-    if batch is not None and shape[0] is not None and batch != shape[0]:
+    if checks.dims_differ(batch, shape[0]):
         raise checks.invalid(
             "cache",
             f"the query's batch size ({batch}) as its first dimension",
             f"shape {shape}",
         )
     length, max_length = query_shape[1], shape[2]
-    if index_given and length is not None and max_length is not None and length > max_length:
+    known = checks.is_known(length) and checks.is_known(max_length)
+    if index_given and known and length > max_length:
         raise checks.invalid(
             "cache",
             f"room for the query's {length} new positions",

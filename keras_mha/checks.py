@@ -1,50 +1,113 @@
 """Argument and input validation with messages that name the argument, the expectation
 and what was received. Nothing here touches layer state, so a rejected call changes
-nothing."""
+nothing.
+
+Two rules hold throughout:
+
+- Where the built-in `keras.layers.MultiHeadAttention` has an error message, ours
+  starts with the built-in's wording (users' code and Keras's tests match on it),
+  then says which argument, what was expected and what came.
+- Only known sizes can mismatch. A dimension is known when it is a Python or NumPy
+  int; `None` (Keras, TensorFlow), torch.export's `SymInt`, a traced tensor, a JAX
+  symbolic dimension are unknown and never called a mismatch.
+"""
 
 import math
 import numbers
 
+import numpy as np
 
-def invalid(name, expected, received, extra=""):
-    """The ValueError every check raises, in Keras's own wording."""
+# The built-in's messages, kept verbatim at the start of ours.
+KERAS_KEY_VALUE_DIMS = "All dimensions of `value` and `key`, except the last one, must be equal."
+KERAS_OUTPUT_SHAPE = "Invalid `output_shape`: {value}."
+KERAS_ATTENTION_AXES = "`attention_axes` must be an int, list, or tuple."
+KERAS_SLIDING_WINDOW = "`sliding_window` must be `None` or a positive integer."
+KERAS_KV_HEADS = "`num_query_heads` must be divisible by `num_key_value_heads`."
+
+
+def invalid(name, expected, received, extra="", keras_wording=None):
+    """The ValueError every check raises, in Keras's own wording.
+
+    Args:
+        name: the argument.
+        expected: what it should have been.
+        received: what came (formatted with `repr`).
+        extra: context appended after the received value.
+        keras_wording: the built-in layer's message for the same error, put first.
+    """
     suffix = f" {extra}" if extra else ""
+    prefix = f"{keras_wording} " if keras_wording else ""
     return ValueError(
-        f"Received an invalid value for argument `{name}`, expected {expected}. "
+        f"{prefix}Received an invalid value for argument `{name}`, expected {expected}. "
         f"Received: {name}={received!r}{suffix}"
     )
 
 
+# ------------------------------------------------------------------------ dimensions
+def is_known(dim):
+    """Whether `dim` is a concrete size (a Python or NumPy int, not a bool)."""
+    return isinstance(dim, (int, np.integer)) and not isinstance(dim, (bool, np.bool_))
+
+
+def dims_differ(a, b, broadcast=False):
+    """Both sizes known and different (and, with `broadcast`, neither of them 1)."""
+    if not (is_known(a) and is_known(b)) or a == b:
+        return False
+    return not (broadcast and 1 in (a, b))
+
+
+def shape_str(shape):
+    """`(2, None, 8)`: a shape with unknown dims as `None`, whatever their type."""
+    dims = tuple(int(d) if is_known(d) else None for d in shape)
+    inner = ", ".join("None" if d is None else str(d) for d in dims)
+    return f"({inner},)" if len(dims) == 1 else f"({inner})"
+
+
+def _shape(value):
+    return tuple(getattr(value, "shape", ()))
+
+
+# ---------------------------------------------------------------------- constructor
 def _is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def positive_int(name, value, allow_none=False):
+def positive_int(name, value, allow_none=False, keras_wording=None):
     if value is None and allow_none:
         return None
     if not _is_int(value) or value <= 0:
         expected = "a positive integer" + (" or `None`" if allow_none else "")
-        raise invalid(name, expected, value)
+        raise invalid(name, expected, value, keras_wording=keras_wording)
+    return int(value)
+
+
+def integer(name, value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if not _is_int(value):
+        raise invalid(name, "an integer" + (" or `None`" if allow_none else ""), value)
     return int(value)
 
 
 def rate(name, value):
     if (
         not isinstance(value, numbers.Real)
-        or isinstance(value, bool)
+        or isinstance(value, (bool, np.bool_))
         or not 0.0 <= float(value) < 1.0
     ):
         raise invalid(name, "a float in [0, 1)", value)
     return float(value)
 
 
-def boolean(name, value, allow_none=False):
+def flag(name, value, allow_none=False):
+    """A boolean flag, given as the built-in accepts it: a Python or NumPy bool or an
+    int (truthy or not). Returns a Python bool, or `None` when allowed and given."""
     if value is None and allow_none:
         return None
-    if not isinstance(value, bool):
-        expected = "a boolean" + (" or `None`" if allow_none else "")
-        raise invalid(name, expected, value)
-    return value
+    if isinstance(value, (bool, np.bool_)) or _is_int(value):
+        return bool(value)
+    expected = "a boolean (or an int)" + (" or `None`" if allow_none else "")
+    raise invalid(name, expected, value)
 
 
 def one_of(name, value, choices):
@@ -57,12 +120,20 @@ def output_shape(value):
     """`None`, a positive int, or a non-empty tuple/list of positive ints -> tuple."""
     if value is None:
         return None
+    given = value
     if _is_int(value):
         value = (value,)
-    if not isinstance(value, (tuple, list)) or not value:
-        raise invalid("output_shape", "a positive int or a tuple of positive ints", value)
-    if not all(_is_int(d) and d > 0 for d in value):
-        raise invalid("output_shape", "a positive int or a tuple of positive ints", value)
+    if (
+        not isinstance(value, (tuple, list))
+        or not value
+        or not all(_is_int(d) and d > 0 for d in value)
+    ):
+        raise invalid(
+            "output_shape",
+            "a positive int or a tuple of positive ints",
+            given,
+            keras_wording=KERAS_OUTPUT_SHAPE.format(value=given),
+        )
     return tuple(int(d) for d in value)
 
 
@@ -70,16 +141,22 @@ def attention_axes(value):
     """`None`, an int, or a tuple/list of distinct ints other than 0 (the batch)."""
     if value is None:
         return None
+    given = value
     if _is_int(value):
         value = (value,)
     if not isinstance(value, (tuple, list)) or not value:
-        raise invalid("attention_axes", "`None`, an int, or a tuple of ints", value)
+        raise invalid(
+            "attention_axes",
+            "`None`, an int, or a tuple of ints",
+            given,
+            keras_wording=KERAS_ATTENTION_AXES,
+        )
     if not all(_is_int(a) for a in value):
-        raise invalid("attention_axes", "`None`, an int, or a tuple of ints", value)
+        raise invalid("attention_axes", "`None`, an int, or a tuple of ints", given)
     if 0 in value:
-        raise invalid("attention_axes", "axes other than 0 (the batch axis)", value)
+        raise invalid("attention_axes", "axes other than 0 (the batch axis)", given)
     if len(set(value)) != len(value):
-        raise invalid("attention_axes", "distinct axes", value)
+        raise invalid("attention_axes", "distinct axes", given)
     return tuple(int(a) for a in value)
 
 
@@ -99,57 +176,103 @@ def attention_axes_for_rank(axes, input_rank):
     return normalized
 
 
-def input_shapes(query_shape, value_shape, key_shape):
-    """Ranks and matching dims of query/value/key, before anything is built."""
-    query_shape, value_shape = tuple(query_shape), tuple(value_shape)
-    key_shape = value_shape if key_shape is None else tuple(key_shape)
+# --------------------------------------------------------------------------- inputs
+def input_shapes(query_shape, value_shape, key_shape, building=False):
+    """Ranks and matching dims of query/value/key.
+
+    With `building`, the last dimensions must be known: the projections' weights are
+    made from them. Afterwards they may be symbolic (a tracer's), like any other.
+    """
+    query_shape, value_shape = _as_shape("query", query_shape), _as_shape("value", value_shape)
+    key_shape = value_shape if key_shape is None else _as_shape("key", key_shape)
+    # The built-in's first check, with its wording: key and value agree but for
+    # their last dimension (a rank mismatch included).
+    if len(key_shape) != len(value_shape) or any(
+        dims_differ(v, k) for v, k in zip(value_shape[1:-1], key_shape[1:-1])
+    ):
+        raise invalid(
+            "key",
+            f"the dimensions of `value` but the last one, {shape_str(value_shape[:-1])}",
+            f"shape {shape_str(key_shape)}",
+            f"with value.shape={shape_str(value_shape)}",
+            keras_wording=KERAS_KEY_VALUE_DIMS,
+        )
     if len(query_shape) < 3:
         raise invalid(
             "query",
             "a tensor of rank >= 3, (B, T, dim) or (B, ..., dim)",
-            f"shape {query_shape}",
+            f"shape {shape_str(query_shape)}",
         )
     for name, shape in (("value", value_shape), ("key", key_shape)):
         if len(shape) != len(query_shape):
             raise invalid(
                 name,
                 f"the same rank as `query` ({len(query_shape)})",
-                f"shape {shape}",
-                f"with query.shape={query_shape}",
+                f"shape {shape_str(shape)}",
+                f"with query.shape={shape_str(query_shape)}",
             )
-        if shape[-1] is None:
-            raise invalid(name, "a known last dimension", f"shape {shape}")
-    if query_shape[-1] is None:
-        raise invalid("query", "a known last dimension", f"shape {query_shape}")
-    if not _dims_match(value_shape[1:-1], key_shape[1:-1]):
-        raise ValueError(
-            "All dimensions of `value` and `key`, except the last one, must be equal. "
-            f"Received: value_shape={value_shape} and key_shape={key_shape}"
-        )
-    batches = {d for d in (query_shape[0], value_shape[0], key_shape[0]) if d is not None}
+    for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+        if building and not is_known(shape[-1]):
+            raise invalid(name, "a known last dimension", f"shape {shape_str(shape)}")
+    batches = {int(d) for d in (query_shape[0], value_shape[0], key_shape[0]) if is_known(d)}
     if len(batches - {1}) > 1:
         raise invalid(
             "value",
             "the same batch size as `query`",
-            f"shape {value_shape}",
-            f"with query.shape={query_shape}, key.shape={key_shape}",
+            f"shape {shape_str(value_shape)}",
+            f"with query.shape={shape_str(query_shape)}, key.shape={shape_str(key_shape)}",
         )
     return query_shape, value_shape, key_shape
 
 
-def call_arguments(arguments, axes):
-    """A call's arguments as given, checked before Keras converts them to tensors (a
+def _as_shape(name, shape):
+    try:
+        return tuple(shape)
+    except TypeError:
+        raise invalid(name, "a shape (a tuple of dimensions)", shape) from None
+
+
+def free_axes(query_shape, value_shape, axes):
+    """N-d attention: on the axes attention does not run over (but the batch), value
+    and key must have the query's sizes, or 1 to broadcast over them.
+
+    Args:
+        query_shape, value_shape: the inputs' shapes, of the same rank.
+        axes: non-negative attention axes (see `attention_axes_for_rank`).
+    """
+    free = [i for i in range(1, len(query_shape) - 1) if i not in axes]
+    if any(dims_differ(value_shape[i], query_shape[i], broadcast=True) for i in free):
+        raise invalid(
+            "value",
+            f"the sizes of `query` (or 1) on axes {tuple(free)}, which attention "
+            f"(attention_axes={tuple(axes)}) does not run over",
+            f"shape {shape_str(value_shape)}",
+            f"with query.shape={shape_str(query_shape)}",
+        )
+
+
+def scores_shape(query_shape, value_shape, axes, num_heads):
+    """`(B, <free axes>, N, <query attention dims>, <key attention dims>)`."""
+    free = tuple(query_shape[i] for i in range(1, len(query_shape) - 1) if i not in axes)
+    return (
+        (query_shape[0],)
+        + free
+        + (num_heads,)
+        + tuple(query_shape[a] for a in axes)
+        + tuple(value_shape[a] for a in axes)
+    )
+
+
+def call_arguments(arguments, axes, num_heads):
+    """A call's inputs and masks, checked before Keras converts them to tensors (a
     string mask would fail there, naming nothing) or builds the layer, so a rejected
-    call leaves no weights behind.
+    call leaves no weights behind. (Its flags are checked by `flag` as they come.)
 
     Args:
         arguments: the call's arguments by name (`inspect.BoundArguments.arguments`).
         axes: the layer's `attention_axes` (as given, or normalized once built).
+        num_heads: the layer's number of (query) heads.
     """
-    if "use_causal_mask" in arguments:
-        boolean("use_causal_mask", arguments["use_causal_mask"])
-    if "return_attention_scores" in arguments:
-        boolean("return_attention_scores", arguments["return_attention_scores"], True)
     query, value, key = (arguments.get(name) for name in ("query", "value", "key"))
     if not all(hasattr(x, "shape") for x in (query, value) + ((key,) if key is not None else ())):
         return
@@ -157,47 +280,79 @@ def call_arguments(arguments, axes):
         query.shape, value.shape, None if key is None else key.shape
     )
     axes = attention_axes_for_rank(axes, len(query_shape))
+    free_axes(query_shape, value_shape, axes)
     if arguments.get("cache") is not None:
         return  # masks then cover the cache's positions; `call` checks them
+    scores = scores_shape(query_shape, value_shape, axes, num_heads)
+    attention_bias(arguments.get("attention_bias"), scores)
     batch = query_shape[:1]
     mask("query_mask", arguments.get("query_mask"), batch + query_shape[1:-1])
     mask("value_mask", arguments.get("value_mask"), batch + value_shape[1:-1])
     mask("key_mask", arguments.get("key_mask"), batch + key_shape[1:-1])
-    extra = tuple(query_shape[i] for i in range(1, len(query_shape) - 1) if i not in axes)
-    attention = tuple(query_shape[a] for a in axes) + tuple(value_shape[a] for a in axes)
-    mask("attention_mask", arguments.get("attention_mask"), batch + extra + attention)
+    attention_mask(arguments.get("attention_mask"), scores, len(axes))
 
 
-def mask(name, mask_value, expected_shape):
-    """A mask must be bool/int/float and broadcast to `expected_shape`."""
-    if mask_value is None:
-        return
-    shape = tuple(getattr(mask_value, "shape", ()))
+def _mask_dtype(name, mask_value):
     dtype = str(getattr(mask_value, "dtype", type(mask_value).__name__))
     if not any(k in dtype for k in ("bool", "int", "float")):
         raise invalid(name, "a boolean (or 0/1 numeric) mask", f"dtype {dtype}")
+
+
+def mask(name, mask_value, expected_shape):
+    """A padding mask must be bool/int/float and broadcast to `expected_shape`."""
+    if mask_value is None:
+        return
+    _mask_dtype(name, mask_value)
+    shape = _shape(mask_value)
     if len(shape) > len(expected_shape) or not _broadcasts(shape, expected_shape):
         raise invalid(
             name,
-            f"a mask broadcastable to {_fmt(expected_shape)}",
-            f"shape {shape}",
+            f"a mask broadcastable to {shape_str(expected_shape)}",
+            f"shape {shape_str(shape)}",
         )
 
 
-def _dims_match(a, b):
-    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
+def attention_mask(mask_value, scores_shape_, num_attention_axes):
+    """`attention_mask` must be bool/int/float and broadcast to the scores
+    `(B, <free axes>, N, <query attention dims>, <key attention dims>)` the way the
+    built-in broadcasts it: missing axes are inserted just before the query attention
+    dims, so `(T, S)`, `(B, T, S)` and `(B, N, T, S)` all fit `(B, N, T, S)` scores.
+
+    Args:
+        mask_value: the mask, or `None`.
+        scores_shape_: the scores' shape (see `scores_shape`).
+        num_attention_axes: how many axes attention runs over (1 for sequences).
+    """
+    if mask_value is None:
+        return
+    _mask_dtype("attention_mask", mask_value)
+    shape = _shape(mask_value)
+    scores_rank = len(scores_shape_)
+    n = num_attention_axes
+    if len(shape) > scores_rank:
+        ok = False
+    else:
+        at = max(len(shape) - 2 * n, 0)
+        expanded = shape[:at] + (1,) * (scores_rank - len(shape)) + shape[at:]
+        ok = _broadcasts(expanded, scores_shape_)
+    if not ok:
+        raise invalid(
+            "attention_mask",
+            f"a mask broadcastable to the scores {shape_str(scores_shape_)} "
+            "(B, <other axes>, num_heads, <query attention dims>, <key attention dims>); "
+            "missing axes are inserted before the query attention dims",
+            f"shape {shape_str(shape)}",
+        )
 
 
 def _broadcasts(shape, target):
+    """Whether a mask of `shape` broadcasts to `target` (aligned on the right)."""
     for have, want in zip(reversed(shape), reversed(target)):
-        if have is None or want is None or have == 1 or have == want:
+        if is_known(have) and have == 1:
             continue
-        return False
+        if dims_differ(have, want):
+            return False
     return True
-
-
-def _fmt(shape):
-    return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
 
 
 def positive_number(name, value, allow_none=False):
@@ -219,13 +374,13 @@ def attention_bias(bias, expected_shape):
     """A float tensor broadcastable to the scores `(B, N, T, S)`."""
     if bias is None:
         return
-    shape = tuple(getattr(bias, "shape", ()))
+    shape = _shape(bias)
     dtype = str(getattr(bias, "dtype", type(bias).__name__))
     if "float" not in dtype:
         raise invalid("attention_bias", "a float tensor", f"dtype {dtype}")
     if len(shape) > len(expected_shape) or not _broadcasts(shape, expected_shape):
         raise invalid(
             "attention_bias",
-            f"a tensor broadcastable to the scores {_fmt(expected_shape)}",
-            f"shape {shape}",
+            f"a tensor broadcastable to the scores {shape_str(expected_shape)}",
+            f"shape {shape_str(shape)}",
         )

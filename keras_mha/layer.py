@@ -6,9 +6,12 @@ call -> masks -> projections -> attention kernel -> output projection.
 """
 
 import dataclasses
+import functools
+import inspect
 import math
 
 import keras
+import numpy as np
 from keras import constraints, initializers, ops, regularizers
 from keras.layers import Dropout
 
@@ -16,6 +19,11 @@ from keras_mha import cache as cache_lib
 from keras_mha import checks, equations, kernels, norms, projections, rope
 from keras_mha import masks as masks_lib
 from keras_mha import sinks as sinks_lib
+
+_MASK_ARGUMENTS = ("query_mask", "value_mask", "key_mask", "attention_mask")
+# Call flags -> what `None` means: no causal mask, as the built-in reads it; the
+# constructor's default for the scores.
+_FLAG_ARGUMENTS = {"use_causal_mask": False, "return_attention_scores": None}
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -95,12 +103,16 @@ class MultiHeadAttention(keras.layers.Layer):
         query_mask, value_mask, key_mask: Optional `(B, T)` / `(B, S)` padding masks.
             Keras implicit masks (`Embedding(mask_zero=True)`, `Masking`) on the
             inputs fill them automatically; the query's mask is set on the output.
-        attention_mask: Optional boolean mask broadcastable to `(B, T, S)`;
-            `True` means "may attend".
+        attention_mask: Optional mask broadcastable to the scores as the built-in
+            broadcasts it: `(T, S)`, `(B, T, S)` or, per head, `(B, N, T, S)` (for
+            N-d attention, missing axes are inserted before the query attention
+            dims). Bool, int or float (also a list); `True`/non-zero means "may
+            attend".
         return_attention_scores: If `True`, return `(output, scores)`; `None` uses
             the constructor's value.
         training: Whether dropout applies.
-        use_causal_mask: Query `t` attends only to keys `s <= t`.
+        use_causal_mask: Query `t` attends only to keys `s <= t`. Flags take Python
+            or NumPy bools and ints, as the built-in reads them.
         cache: Optional KV cache `(B, 2, max_length, Nkv, key_dim)` (see
             `init_cache`; needs `value_dim == key_dim` and `(B, T, dim)` inputs).
             Attention then runs over the cache's `max_length` positions: masks over
@@ -175,11 +187,12 @@ class MultiHeadAttention(keras.layers.Layer):
                 "num_key_value_heads",
                 f"a divisor of num_heads={num_heads}",
                 num_key_value_heads,
+                keras_wording=checks.KERAS_KV_HEADS,
             )
-        normalize_qk = checks.boolean("normalize_qk", normalize_qk)
+        normalize_qk = checks.flag("normalize_qk", normalize_qk)
         key_dim = checks.positive_int("key_dim", key_dim)
         logit_soft_cap = checks.positive_number("logit_soft_cap", logit_soft_cap, allow_none=True)
-        use_sinks = checks.boolean("use_sinks", use_sinks)
+        use_sinks = checks.flag("use_sinks", use_sinks)
         rope_max_wavelength = checks.positive_number(
             "rope_max_wavelength", rope_max_wavelength, allow_none=True
         )
@@ -190,15 +203,19 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         value_dim = checks.positive_int("value_dim", value_dim, allow_none=True)
         dropout = checks.rate("dropout", dropout)
-        use_bias = checks.boolean("use_bias", use_bias)
+        use_bias = checks.flag("use_bias", use_bias)
         output_shape = checks.output_shape(output_shape)
         attention_axes = checks.attention_axes(attention_axes)
-        sliding_window = checks.positive_int("sliding_window", sliding_window, allow_none=True)
-        flash_attention = checks.boolean("flash_attention", flash_attention, True)
-        use_gate = checks.boolean("use_gate", use_gate)
-        if seed is not None and not isinstance(seed, int):
-            raise checks.invalid("seed", "an integer or `None`", seed)
-        return_attention_scores = checks.boolean("return_attention_scores", return_attention_scores)
+        sliding_window = checks.positive_int(
+            "sliding_window",
+            sliding_window,
+            allow_none=True,
+            keras_wording=checks.KERAS_SLIDING_WINDOW,
+        )
+        flash_attention = checks.flag("flash_attention", flash_attention, allow_none=True)
+        use_gate = checks.flag("use_gate", use_gate)
+        seed = checks.integer("seed", seed, allow_none=True)
+        return_attention_scores = checks.flag("return_attention_scores", return_attention_scores)
         if implementation == "auto":
             implementation = None
         checks.one_of("implementation", implementation, (None,) + kernels.IMPLEMENTATIONS)
@@ -331,7 +348,7 @@ class MultiHeadAttention(keras.layers.Layer):
             key_shape: Optional `(B, S, dim_k)`; `None` means `value_shape`.
         """
         query_shape, value_shape, key_shape = checks.input_shapes(
-            query_shape, value_shape, key_shape
+            query_shape, value_shape, key_shape, building=True
         )
         rank = len(query_shape)
         # Validated before any state exists, so a rejected build leaves nothing.
@@ -343,6 +360,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "one sequence axis)",
                 f"shape {tuple(query_shape)}",
             )
+        checks.free_axes(query_shape, value_shape, normalized_axes)
 
         self._query_dense = self._projection(rank, self._num_heads, self._key_dim, "query")
         self._query_dense.build(query_shape)
@@ -423,11 +441,13 @@ class MultiHeadAttention(keras.layers.Layer):
     # ------------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
         try:
-            arguments = self._call_signature.bind(*args, **kwargs).arguments
+            bound = _call_signature(type(self)).bind(*args, **kwargs)
         except TypeError:
-            arguments = None  # a wrong signature: Keras reports it
-        if arguments is not None:
-            checks.call_arguments(arguments, self._attention_axes)
+            bound = None  # a wrong signature: Keras reports it
+        if bound is not None:
+            args, kwargs = _as_the_builtin_reads_them(bound, args, kwargs)
+            arguments = bound.signature.bind(*args, **kwargs).arguments
+            checks.call_arguments(arguments, self._attention_axes, self._num_heads)
         return super().__call__(*args, **kwargs)
 
     def call(
@@ -450,6 +470,7 @@ class MultiHeadAttention(keras.layers.Layer):
             key = value
         if query_mask is None:
             query_mask = masks_lib.get_keras_mask(query)
+        value, key = (self._broadcast_free_axes(query, x) for x in (value, key))
         need_scores = self._wants_scores(return_attention_scores)
         cache_update_index = self._check_cache(query, cache, cache_update_index)
         self._check_call(
@@ -462,9 +483,10 @@ class MultiHeadAttention(keras.layers.Layer):
             attention_mask,
             key_length=None if cache is None else cache.shape[2],
         )
-        key_length = (key if cache is None else cache).shape[1 if cache is None else 2]
+        keys = tuple(key.shape) if cache is None else (None, cache.shape[2])
         checks.attention_bias(
-            attention_bias, (query.shape[0], self._num_heads, query.shape[1], key_length)
+            attention_bias,
+            checks.scores_shape(tuple(query.shape), keys, self._attention_axes, self._num_heads),
         )
 
         projected_query, projected_key, projected_value, gate = self._project(query, key, value)
@@ -562,7 +584,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def _wants_scores(self, return_attention_scores):
         if return_attention_scores is None:
             return self._return_attention_scores
-        return checks.boolean("return_attention_scores", return_attention_scores)
+        return checks.flag("return_attention_scores", return_attention_scores)
 
     def _project(self, query, key, value):
         """Runs the projections; returns `(query, key, value, gate or None)`.
@@ -584,6 +606,25 @@ class MultiHeadAttention(keras.layers.Layer):
                     masks_lib.set_keras_mask(x, mask)
         return (*projected, gate)
 
+    def _broadcast_free_axes(self, query, x):
+        """N-d attention over some axes: a value/key of size 1 on an axis attention does
+        not run over broadcasts to the query's size there (as einsum does on JAX and
+        torch, and TensorFlow's does not)."""
+        free = [i for i in range(1, len(x.shape) - 1) if i not in self._attention_axes]
+        grow = [
+            i
+            for i in free
+            if checks.is_known(x.shape[i])
+            and x.shape[i] == 1
+            and checks.is_known(query.shape[i])
+            and query.shape[i] != 1
+        ]
+        if not grow:
+            return x
+        shape = ops.shape(x)
+        target = [query.shape[i] if i in grow else shape[i] for i in range(len(x.shape))]
+        return ops.broadcast_to(x, target)
+
     def _check_call(
         self, query, value, key, query_mask, value_mask, key_mask, mask, key_length=None
     ):
@@ -595,24 +636,25 @@ class MultiHeadAttention(keras.layers.Layer):
             ("value", value, built_value),
             ("key", key, built_key),
         ):
-            if len(tensor.shape) != len(built) or tensor.shape[-1] != built[-1]:
+            if len(tensor.shape) != len(built) or checks.dims_differ(tensor.shape[-1], built[-1]):
                 raise checks.invalid(
                     name,
                     f"shape (..., {built[-1]}) of rank {len(built)}, as when the layer was built",
-                    f"shape {tuple(tensor.shape)}",
+                    f"shape {checks.shape_str(tensor.shape)}",
                 )
         axes = self._attention_axes
-        batch = (query.shape[0],)
-        query_dims = tuple(query.shape[a] for a in axes)
-        key_dims = tuple(value.shape[a] for a in axes)
-        value_dims, key_input_dims = tuple(value.shape[1:-1]), tuple(key.shape[1:-1])
+        query_shape, value_shape = tuple(query.shape), tuple(value.shape)
+        checks.free_axes(query_shape, value_shape, axes)
+        batch = query_shape[:1]
+        value_dims, key_input_dims = value_shape[1:-1], tuple(key.shape[1:-1])
         if key_length is not None:
-            key_dims = value_dims = key_input_dims = (key_length,)
-        checks.mask("query_mask", query_mask, batch + tuple(query.shape[1:-1]))
+            value_dims = key_input_dims = (key_length,)
+            value_shape = batch + value_dims + value_shape[-1:]
+        checks.mask("query_mask", query_mask, batch + query_shape[1:-1])
         checks.mask("value_mask", value_mask, batch + value_dims)
         checks.mask("key_mask", key_mask, batch + key_input_dims)
-        extra = tuple(query.shape[i] for i in range(1, len(query.shape) - 1) if i not in axes)
-        checks.mask("attention_mask", mask, batch + extra + query_dims + key_dims)
+        scores = checks.scores_shape(query_shape, value_shape, axes, self._num_heads)
+        checks.attention_mask(mask, scores, len(axes))
 
     # -------------------------------------------------------------------- attention
     def _describe_masks(
@@ -789,7 +831,9 @@ class MultiHeadAttention(keras.layers.Layer):
 
     # ---------------------------------------------------------------------- shapes
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
-        query_shape, _, _ = checks.input_shapes(query_shape, value_shape, key_shape)
+        query_shape, value_shape, _ = checks.input_shapes(query_shape, value_shape, key_shape)
+        axes = checks.attention_axes_for_rank(self._attention_axes, len(query_shape))
+        checks.free_axes(query_shape, value_shape, axes)
         if self._output_shape:
             return tuple(query_shape[:-1]) + tuple(self._output_shape)
         return tuple(query_shape)
@@ -828,3 +872,39 @@ class MultiHeadAttention(keras.layers.Layer):
             tuple(query.shape[:-1]) + heads, key_positions + heads, axes
         )
         return (output, keras.KerasTensor(scores, dtype=self.compute_dtype), *cache_spec)
+
+
+@functools.cache
+def _call_signature(cls):
+    """The signature of `cls.call` without `self` (a subclass may change it)."""
+    signature = inspect.signature(cls.call)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def _as_the_builtin_reads_them(bound, args, kwargs):
+    """The call's arguments, with flags and masks in the form `call` works with:
+    flags given as ints or NumPy bools (which Keras would turn into tensors) become
+    Python bools, masks given as (nested) lists become NumPy arrays (which Keras turns
+    into tensors). Everything else is passed on as given; invalid flags are rejected.
+    """
+    args, kwargs = list(args), dict(kwargs)
+    positions = list(bound.signature.parameters)
+
+    def replace(name, value):
+        if name in kwargs:
+            kwargs[name] = value
+        else:
+            args[positions.index(name)] = value
+
+    for name in _MASK_ARGUMENTS:
+        value = bound.arguments.get(name)
+        if isinstance(value, (list, tuple)):
+            try:
+                replace(name, np.asarray(value))
+            except ValueError:  # ragged
+                raise checks.invalid(name, "a mask of one shape", value) from None
+    for name, if_none in _FLAG_ARGUMENTS.items():
+        if name in bound.arguments:
+            value = bound.arguments[name]
+            replace(name, if_none if value is None else checks.flag(name, value))
+    return tuple(args), kwargs

@@ -16,18 +16,7 @@ from typing import Any
 
 from keras import ops
 
-try:  # Keras keeps implicit masks as a tensor attribute; its accessors are private.
-    from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-except ImportError:  # pragma: no cover - older/newer Keras layouts
-
-    def get_keras_mask(x):
-        return getattr(x, "_keras_mask", None)
-
-    def set_keras_mask(x, mask):
-        try:
-            x._keras_mask = mask
-        except AttributeError:
-            pass
+from keras_mha._keras_private import get_keras_mask, set_keras_mask  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +233,12 @@ def merge_masks(
         parts.append(causal_mask(query_length, key_length, offset))
     if sliding_window is not None:
         parts.append(sliding_window_mask(query_length, key_length, sliding_window, offset))
-    return logical_and(attention_mask, *parts)
+    merged = logical_and(*parts)
+    if attention_mask is not None and merged is not None:
+        # A user mask with a heads axis, (B, N, T, S): the (B or 1, T, S) parts get
+        # theirs before T, as the scores do, instead of aligning B with N.
+        merged = expand_to_scores(merged, len(attention_mask.shape), 1)
+    return logical_and(attention_mask, merged)
 
 
 def expand_to_scores(mask, scores_rank, num_attention_axes):

@@ -34,9 +34,13 @@ def add_bias(x, bias):
     if bias.shape[-1] == 1:
         return ops.subtract(x, ops.negative(bias))
     if policy.current().in_place_bias:
+        import torch
+
         bias = ops.convert_to_tensor(bias)
         same = x.dtype == bias.dtype and x.device == bias.device
-        if same and not x.requires_grad:
+        # Not while `torch.jit.trace` records (OpenVINO's export): its check re-runs
+        # the trace, where `requires_grad` may differ, and the graphs must match.
+        if same and not x.requires_grad and not torch.jit.is_tracing():
             return x.add_(bias)
     return ops.add(x, bias)
 

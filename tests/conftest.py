@@ -1,10 +1,12 @@
-"""Shared test set-up: the backend in the header, the `gpu` marker's skip rule."""
+"""Shared test set-up: the backend in the header, the `gpu` marker's skip rule, and
+which tests run on Keras's inference-only backends."""
 
 import keras
 import numpy as np
 import pytest
 
 BACKEND = keras.backend.backend()
+INFERENCE_BACKENDS = ("numpy", "openvino")
 
 
 def _gpu_visible():
@@ -28,6 +30,13 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Keras's inference-only backends run only the tests marked for them, and the
+    # training backends leave those out (tests/run_backends.py runs both).
+    inference = BACKEND in INFERENCE_BACKENDS
+    kept = [item for item in items if ("inference_backend" in item.keywords) == inference]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     if _gpu_visible():
         return
     skip = pytest.mark.skip(reason=f"no GPU visible to the {BACKEND} backend")

@@ -1,8 +1,10 @@
 """Runs the pytest suite once per Keras backend, each in its own process, then the
-notebooks. Prints one summary line per backend and fails when any backend fails, is
-not installed, or ran no test: no backend is ever skipped silently.
+inference-only backends' suite (numpy, openvino: tests/test_inference_backends.py),
+then the notebooks. Prints one summary line per run and fails when any run fails, its
+backend is not installed, or it ran no test: no backend is ever skipped silently.
 
-    python tests/run_backends.py --backends tensorflow jax torch --notebook-backend jax
+    python tests/run_backends.py --backends tensorflow jax torch \
+        --inference-backends numpy openvino --notebook-backend jax
 """
 
 import argparse
@@ -18,7 +20,13 @@ LOGS = ROOT / ".test-logs"
 
 
 def _backend_importable(backend):
-    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[backend]
+    module = {
+        "tensorflow": "tensorflow",
+        "jax": "jax",
+        "torch": "torch",
+        "numpy": "numpy",
+        "openvino": "openvino",
+    }[backend]
     probe = subprocess.run(
         [sys.executable, "-c", f"import {module}"], capture_output=True, text=True
     )
@@ -63,20 +71,26 @@ def _run_pytest(label, backend, pytest_args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="*", default=["tensorflow", "jax", "torch"])
+    parser.add_argument("--inference-backends", nargs="*", default=["numpy", "openvino"])
     parser.add_argument("--notebook-backend", default="jax")
     parser.add_argument("--no-notebooks", action="store_true")
     args, extra = parser.parse_known_args()
 
     all_ok = True
     totals = {"passed": 0, "failed": 0, "skipped": 0}
-    for backend in args.backends:
+    runs = [(b, b, ["-m", "not notebook", *extra]) for b in args.backends]
+    runs += [
+        (f"inference[{b}]", b, ["tests/test_inference_backends.py"])
+        for b in args.inference_backends
+    ]
+    for label, backend, pytest_args in runs:
         importable, why = _backend_importable(backend)
         if not importable:
-            print(f"{backend:>22}: NOT INSTALLED ({' '.join(why)})  [FAILED]", flush=True)
+            print(f"{label:>22}: NOT INSTALLED ({' '.join(why)})  [FAILED]", flush=True)
             all_ok = False
             totals["failed"] += 1
             continue
-        ok, counts = _run_pytest(backend, backend, ["-m", "not notebook", *extra])
+        ok, counts = _run_pytest(label, backend, pytest_args)
         all_ok &= ok
         for key in totals:
             totals[key] += counts[key]

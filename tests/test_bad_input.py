@@ -35,7 +35,7 @@ CONSTRUCTOR_CASES = [
     _param("dropout-str", {"dropout": "0.1"}, "dropout", "'0.1'"),
     _param("dropout-nan", {"dropout": float("nan")}, "dropout", "nan"),
     _param("use_bias-str", {"use_bias": "yes"}, "use_bias", "'yes'"),
-    _param("use_bias-int", {"use_bias": 1}, "use_bias", "1"),
+    _param("use_bias-float", {"use_bias": 1.0}, "use_bias", "1.0"),
     _param("output_shape-zero", {"output_shape": 0}, "output_shape", "0"),
     _param("output_shape-empty", {"output_shape": ()}, "output_shape", "()"),
     _param("output_shape-negative-dim", {"output_shape": (2, -1)}, "output_shape", "(2, -1)"),
@@ -50,7 +50,7 @@ CONSTRUCTOR_CASES = [
     _param("sliding_window-zero", {"sliding_window": 0}, "sliding_window", "0"),
     _param("sliding_window-float", {"sliding_window": 2.5}, "sliding_window", "2.5"),
     _param("flash_attention-str", {"flash_attention": "yes"}, "flash_attention", "'yes'"),
-    _param("use_gate-int", {"use_gate": 1}, "use_gate", "1"),
+    _param("use_gate-str", {"use_gate": "False"}, "use_gate", "'False'"),
     _param("seed-str", {"seed": "7"}, "seed", "'7'"),
     _param("seed-float", {"seed": 1.5}, "seed", "1.5"),
     _param(
@@ -124,10 +124,16 @@ CALL_CASES = [
         "(3, 5, 7)",
     ),
     _param(
-        "attention_mask-rank-4",
-        _call(attention_mask=np.ones((B, 2, T, S), bool)),
+        "attention_mask-rank-4-wrong-heads",
+        _call(attention_mask=np.ones((B, 3, T, S), bool)),
         "attention_mask",
-        "(2, 2, 5, 7)",
+        "(2, 3, 5, 7)",
+    ),
+    _param(
+        "attention_mask-rank-5",
+        _call(attention_mask=np.ones((B, 1, 2, T, S), bool)),
+        "attention_mask",
+        "(2, 1, 2, 5, 7)",
     ),
     _param(
         "attention_mask-complex",

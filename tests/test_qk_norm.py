@@ -109,5 +109,6 @@ def test_serialization_round_trip(rng, tmp_path):
 
 
 def test_invalid_normalize_qk():
-    with pytest.raises(ValueError, match="`normalize_qk`.*normalize_qk=1"):
-        keras_mha.MultiHeadAttention(HEADS, HEAD_DIM, normalize_qk=1)
+    # Flags take bools and ints, as the built-in's do; a string is not a flag.
+    with pytest.raises(ValueError, match="`normalize_qk`.*normalize_qk='yes'"):
+        keras_mha.MultiHeadAttention(HEADS, HEAD_DIM, normalize_qk="yes")

@@ -121,7 +121,8 @@ class _Plan:
 
     @classmethod
     def make(cls, query, key, mask, chunk_size, in_flight, loop):
-        query_length, key_length = query.shape[1], key.shape[1]
+        # Symbolic lengths (torch.export, jax.export) count as unknown: no guards.
+        query_length, key_length = (_static(x.shape[1]) for x in (query, key))
         if query_length is None:
             chunks = ((0, None),)
         else:
@@ -458,6 +459,10 @@ class _KeySum:
 
 
 # ------------------------------------------------------------------------- helpers
+def _static(dim):
+    return dim if isinstance(dim, int) else None
+
+
 def _width(lo, hi):
     return None if hi is None else hi - lo
 
