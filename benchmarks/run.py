@@ -1,59 +1,113 @@
-"""Speed and memory of `keras_mha.MultiHeadAttention` against the built-in, per backend.
+"""Speed and memory of `keras_mha.MultiHeadAttention` against the built-in, per backend,
+on the paths users take: padded batches, causal masks, training steps, long sequences.
 
-Writes `benchmarks/results/cpu.md` (a markdown table) and `benchmarks/results/cpu.png`.
-Each backend runs in its own child process (Keras picks its backend once per process):
+Writes `benchmarks/results/cpu.{md,json,png}` and `benchmarks/results/scaling.{md,png}`.
+Every measurement runs in a child process per backend (Keras picks its backend once
+per process), through `predict_on_batch` / `train_on_batch` of a functional model:
 
-- speed: self-attention, B=8, T=256, dim 512, 8 heads; `predict_on_batch` and
-  `train_on_batch` of a functional model, ours and the built-in (identical weights)
-  alternated in rounds after a warm-up (see `_median_pairs`), medians kept; plus the
-  matmul floor, the layer's FLOPs over the backend's own measured matmul throughput;
-- long sequences: B=1, T=S=8192, dim 256, 4 heads, no scores: forward time (alternated
-  rounds) and the growth of peak RSS from T=256 to T=8192, each configuration in a fresh
-  child process (`ru_maxrss` sees native buffers, which `tracemalloc` does not).
+- pairs: ours and the built-in (identical weights) alternated in rounds after a warm-up
+  (see `_median_pairs`), medians kept, on
+  - B=8, T=256, dim 512, 8 heads: unmasked, and padded + causal (predict, train),
+    with the matmul floor (the layer's FLOPs over the backend's measured matmul rate);
+  - B=1, T=S=8192, dim 256, 4 heads: unmasked forward; a quarter of the keys padding
+    + causal, forward and train step.
+- memory: growth of peak RSS from T=256 to T=8192 of one call, a fresh process per
+  configuration (`ru_maxrss` sees native buffers, which `tracemalloc` does not).
+- scaling: time and peak memory of one forward and one train step, padded + causal,
+  T = 1024 ... 32768, ours and the built-in, a fresh process per point; a point whose
+  process passes `--memory-limit` GiB (or `--time-limit` s) is killed and reported so.
 
-    .venv/bin/python benchmarks/run.py              # every backend, ~9 minutes on 2 cores
-    .venv/bin/python benchmarks/run.py --backends jax --pairs 5
+Child processes run with glibc's `MALLOC_MMAP_THRESHOLD_` fixed at 1 MiB, so buffers
+of 1 MiB and more are returned to the system when freed and peak RSS measures what was
+live (with the default, growing threshold, glibc keeps freed chunk buffers, which made
+the same kernel's peak depend on allocation order). Both layers run under it.
+
+    .venv/bin/python benchmarks/run.py                 # every backend, ~40 minutes on 2 cores
+    .venv/bin/python benchmarks/run.py --backends jax --pairs 5 --no-scaling
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 BACKENDS = ("tensorflow", "jax", "torch")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SPEED = dict(batch=8, length=256, dim=512, heads=8)
-LONG = dict(batch=1, length=8192, short_length=256, dim=256, heads=4)
 MATMUL_SIZE = 2048
+SHORT_LENGTH = 256  # the memory baseline
+SCALING_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One benchmark shape. `masked`: a quarter of the keys padding (and one more
+    sequence half padded when B > 1) with a causal mask; else plain self-attention."""
+
+    name: str
+    batch: int
+    length: int
+    dim: int
+    heads: int
+    masked: bool
+
+    def at(self, length):
+        return dataclasses.replace(self, length=length)
+
+
+SHORT = Config("B=8 T=256", 8, 256, 512, 8, masked=False)
+SHORT_MASKED = dataclasses.replace(SHORT, name="B=8 T=256 padded+causal", masked=True)
+LONG = Config("T=8192", 1, 8192, 256, 4, masked=False)
+LONG_MASKED = dataclasses.replace(LONG, name="T=8192 padded+causal", masked=True)
+CONFIGS = {c.name: c for c in (SHORT, SHORT_MASKED, LONG, LONG_MASKED)}
 
 
 # ----------------------------------------------------------------- child process side
-def _layers(heads, dim):
+def _model(which, config):
     import keras
 
     import keras_mha
 
-    ours = keras_mha.MultiHeadAttention(num_heads=heads, key_dim=dim // heads)
-    builtin = keras.layers.MultiHeadAttention(num_heads=heads, key_dim=dim // heads)
-    return ours, builtin
+    cls = keras_mha.MultiHeadAttention if which == "ours" else keras.layers.MultiHeadAttention
+    b, t, d = config.batch, config.length, config.dim
+    x_in = keras.Input(shape=(t, d), batch_size=b)
+    mask_in = keras.Input(shape=(t,), batch_size=b, dtype="bool")
+    layer = cls(num_heads=config.heads, key_dim=d // config.heads)
+    if config.masked:
+        y = layer(x_in, x_in, value_mask=mask_in, use_causal_mask=True)
+    else:
+        y = layer(x_in, x_in)
+    model = keras.Model([x_in, mask_in], y)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
 
 
-def _models(batch, length, dim, heads):
-    """Functional self-attention models around ours and the built-in, same weights."""
-    import keras
+def _data(config):
+    import numpy as np
 
-    models = []
-    for layer in _layers(heads, dim):
-        x = keras.Input(shape=(length, dim), batch_size=batch)
-        models.append(keras.Model(x, layer(x, x)))
-    models[1].set_weights(models[0].get_weights())
-    return models
+    rng = np.random.default_rng(0)
+    b, t = config.batch, config.length
+    x = rng.standard_normal((b, t, config.dim)).astype("float32")
+    valid = np.ones((b, t), bool)
+    valid[:, t - t // 4 :] = False
+    if b > 1:
+        valid[1, t // 2 :] = False
+    return x, valid
+
+
+def _step(model, config, step):
+    x, valid = _data(config)
+    if step == "predict":
+        return lambda: model.predict_on_batch([x, valid])
+    return lambda: model.train_on_batch([x, valid], x)
 
 
 def _median_pairs(functions, pairs, warmup=2):
@@ -61,10 +115,8 @@ def _median_pairs(functions, pairs, warmup=2):
 
     In each round every function runs twice and only its second call is timed, so a
     timed call always follows a call of the same function: what one layer pays for
-    the memory the other left behind stays out of its time. With single alternated
-    calls the built-in's T=8192 TensorFlow forward took 2.1-2.5 s after itself and
-    3.0-4.2 s after ours (2026-11-22), which flipped the ratio between runs. Every
-    other round runs the functions in reverse order (A B, B A, ...).
+    the memory the other left behind stays out of its time. Every other round runs
+    the functions in reverse order (A B, B A, ...).
     """
     for _ in range(warmup):
         for f in functions:
@@ -77,23 +129,13 @@ def _median_pairs(functions, pairs, warmup=2):
             start = time.perf_counter()
             f()
             bucket.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times], _ratio_quartiles(*times)
-
-
-def _ratio_quartiles(ours, builtin):
-    """First and third quartiles of the per-round ratios ours / built-in: how far the
-    machine's drift moves a ratio that the medians summarise."""
-    ratios = [a / b for a, b in zip(ours, builtin)]
-    quartiles = statistics.quantiles(ratios, n=4)
-    return quartiles[0], quartiles[2]
+    ratios = [a / b for a, b in zip(*times)]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return [statistics.median(t) for t in times], (quartiles[0], quartiles[-1])
 
 
 def _matmul_flops_per_second():
-    """The backend's own float32 matmul throughput (best of 15, compiled where usual).
-
-    Best, not median: the floor is what the machine can do at its fastest, and on a
-    shared machine a slow moment during these few seconds halved the median once.
-    """
+    """The backend's own float32 matmul throughput (best of 15, compiled where usual)."""
     import keras
     import numpy as np
 
@@ -136,168 +178,222 @@ def _matmul_flops_per_second():
     return 2.0 * n**3 / min(seconds)
 
 
-def _layer_flops(batch, length, dim):
-    """FLOPs of self-attention `(forward, training step)`.
-
-    Forward: four `dim x dim` projections `P` and the two `T x S` products `A`. A
-    training step adds every weight gradient (`P`), the output projection's input
-    gradient (`P / 4`) and the attention's backward (`2 A`); the model input needs
-    no gradient, so the q/k/v projections' input gradients are not computed.
-    """
-    projections = 2 * batch * length * dim * dim * 4
-    attention = 2 * 2 * batch * length * length * dim
+def _layer_flops(config):
+    """FLOPs of unmasked self-attention `(forward, training step)`: four `dim x dim`
+    projections `P` and the two `T x S` products `A`; a training step adds every
+    weight gradient (`P`), the output projection's input gradient (`P / 4`) and the
+    attention's backward (`2 A`)."""
+    b, t, d = config.batch, config.length, config.dim
+    projections = 2 * b * t * d * d * 4
+    attention = 2 * 2 * b * t * t * d
     return projections + attention, 2.25 * projections + 3 * attention
 
 
-def speed_worker(pairs):
-    import numpy as np
-
-    b, t, d, n = SPEED["batch"], SPEED["length"], SPEED["dim"], SPEED["heads"]
-    ours, builtin = _models(b, t, d, n)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((b, t, d)).astype("float32")
-    y = rng.standard_normal((b, t, d)).astype("float32")
-    predict, predict_spread = _median_pairs(
-        [lambda: ours.predict_on_batch(x), lambda: builtin.predict_on_batch(x)], pairs
-    )
-    for model in (ours, builtin):
-        model.compile(optimizer="sgd", loss="mse")
-    train, train_spread = _median_pairs(
-        [lambda: ours.train_on_batch(x, y), lambda: builtin.train_on_batch(x, y)], pairs
-    )
-    flops, train_flops = _layer_flops(b, t, d)
-    throughput = _matmul_flops_per_second()
-    return dict(
-        ours_predict_ms=predict[0] * 1e3,
-        builtin_predict_ms=predict[1] * 1e3,
-        ours_train_ms=train[0] * 1e3,
-        builtin_train_ms=train[1] * 1e3,
-        predict_ratio_quartiles=predict_spread,
-        train_ratio_quartiles=train_spread,
-        matmul_gflops=throughput / 1e9,
-        floor_predict_ms=flops / throughput * 1e3,
-        floor_train_ms=train_flops / throughput * 1e3,
-    )
+def pairs_worker(name, pairs, steps):
+    config = CONFIGS[name]
+    ours, builtin = _model("ours", config), _model("builtin", config)
+    builtin.set_weights(ours.get_weights())
+    result = {"config": name}
+    warmup = 2 if config.length <= 1024 else 1
+    for step in steps:
+        functions = [_step(ours, config, step), _step(builtin, config, step)]
+        (o, b), spread = _median_pairs(functions, pairs, warmup)
+        result[step] = dict(ours_ms=o * 1e3, builtin_ms=b * 1e3, ratio=o / b, quartiles=spread)
+    if config.length <= 1024 and not config.masked:
+        throughput = _matmul_flops_per_second()
+        flops = _layer_flops(config)
+        result["matmul_gflops"] = throughput / 1e9
+        result["predict"]["floor_ms"] = flops[0] / throughput * 1e3
+        result["train"]["floor_ms"] = flops[1] / throughput * 1e3
+    return result
 
 
-def long_time_worker(pairs):
-    import numpy as np
-
-    b, t, d, n = LONG["batch"], LONG["length"], LONG["dim"], LONG["heads"]
-    ours, builtin = _models(b, t, d, n)
-    x = np.random.default_rng(0).standard_normal((b, t, d)).astype("float32")
-    times, spread = _median_pairs(
-        [lambda: ours.predict_on_batch(x), lambda: builtin.predict_on_batch(x)], pairs, warmup=0
-    )
-    return dict(
-        ours_long_ms=times[0] * 1e3, builtin_long_ms=times[1] * 1e3, long_ratio_quartiles=spread
-    )
-
-
-def memory_worker(which, length):
-    """Peak RSS (MiB) of this process after one forward call of one layer at `length`."""
-    import numpy as np
-
-    b, d, n = LONG["batch"], LONG["dim"], LONG["heads"]
-    import keras
-
-    layer = _layers(n, d)[0 if which == "ours" else 1]
-    x_in = keras.Input(shape=(length, d), batch_size=b)
-    model = keras.Model(x_in, layer(x_in, x_in))
-    x = np.random.default_rng(0).standard_normal((b, length, d)).astype("float32")
-    np.asarray(model.predict_on_batch(x))
-    return dict(peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+def point_worker(which, name, length, step, repeats):
+    """One layer, one step at `length`: warm-up call, then the median of `repeats`
+    timed calls, and the process's peak RSS."""
+    config = CONFIGS[name].at(length)
+    run = _step(_model(which, config), config, step)
+    run()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return dict(ms=statistics.median(seconds) * 1e3, peak_mib=peak)
 
 
 def _child(args):
-    if args.worker == "speed":
-        result = speed_worker(args.pairs)
-    elif args.worker == "long_time":
-        result = long_time_worker(args.long_pairs)
+    if args.worker == "pairs":
+        result = pairs_worker(args.config, args.pairs, args.steps.split(","))
     else:
-        result = memory_worker(args.which, args.length)
-    print("RESULT " + json.dumps(result))
+        result = point_worker(args.which, args.config, args.length, args.step, args.repeats)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 # ---------------------------------------------------------------- parent process side
-def _spawn(backend, *worker_args):
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+def _spawn(backend, worker_args, memory_limit_gib=None, time_limit_s=None):
+    """Runs a worker in a child process; returns its result, or `{"failed": why}` when
+    it passed the memory or time limit."""
+    env = dict(
+        os.environ,
+        KERAS_BACKEND=backend,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        MALLOC_MMAP_THRESHOLD_="1048576",
+    )
     command = [sys.executable, os.path.abspath(__file__), *worker_args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    for line in done.stdout.splitlines():
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    killed = {}
+
+    def watch():
+        start = time.monotonic()
+        while process.poll() is None:
+            rss = _rss_gib(process.pid)
+            if memory_limit_gib and rss > memory_limit_gib:
+                killed["why"] = f"out of memory (passed {memory_limit_gib:g} GiB)"
+                process.kill()
+            elif time_limit_s and time.monotonic() - start > time_limit_s:
+                killed["why"] = f"took over {time_limit_s:g} s"
+                process.kill()
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    stdout, stderr = process.communicate()
+    watcher.join()
+    if killed:
+        return {"failed": killed["why"]}
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"{backend} {worker_args} failed:\n{done.stderr[-3000:]}")
+    raise RuntimeError(f"{backend} {worker_args} failed:\n{stderr[-3000:]}")
 
 
-def run_backend(backend, pairs, long_pairs):
-    print(f"[{backend}] speed ...", flush=True)
-    record = dict(backend=backend)
-    record.update(_spawn(backend, "--worker", "speed", "--pairs", str(pairs)))
-    print(f"[{backend}] long-sequence time ...", flush=True)
-    record.update(_spawn(backend, "--worker", "long_time", "--long-pairs", str(long_pairs)))
-    for which in ("ours", "builtin"):
-        peaks = {}
-        for length in (LONG["short_length"], LONG["length"]):
-            print(f"[{backend}] peak memory, {which}, T={length} ...", flush=True)
-            args = ("--worker", "memory", "--which", which, "--length", str(length))
-            peaks[length] = _spawn(backend, *args)["peak_rss_mib"]
-        record[f"{which}_growth_mib"] = peaks[LONG["length"]] - peaks[LONG["short_length"]]
-    record["predict_ratio"] = record["ours_predict_ms"] / record["builtin_predict_ms"]
-    record["train_ratio"] = record["ours_train_ms"] / record["builtin_train_ms"]
-    record["long_ratio"] = record["ours_long_ms"] / record["builtin_long_ms"]
-    record["growth_ratio"] = record["ours_growth_mib"] / max(record["builtin_growth_mib"], 1.0)
+def _rss_gib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def _point(backend, which, name, length, step, args, repeats=1):
+    worker = ["--worker", "point", "--which", which, "--config", name]
+    worker += ["--length", str(length), "--step", step, "--repeats", str(repeats)]
+    return _spawn(backend, worker, args.memory_limit, args.time_limit)
+
+
+def run_backend(backend, args):
+    record = {"backend": backend}
+    for name, pairs, steps in (
+        (SHORT.name, args.pairs, "predict,train"),
+        (SHORT_MASKED.name, args.pairs, "predict,train"),
+        (LONG.name, args.long_pairs, "predict"),
+        (LONG_MASKED.name, args.long_pairs, "predict,train"),
+    ):
+        print(f"[{backend}] {name}: {steps} ...", flush=True)
+        worker = ["--worker", "pairs", "--config", name, "--pairs", str(pairs), "--steps", steps]
+        record[name] = _spawn(backend, worker)
+    for name, steps in ((LONG.name, ("predict",)), (LONG_MASKED.name, ("predict", "train"))):
+        for step in steps:
+            growth = {}
+            for which in ("ours", "builtin"):
+                print(f"[{backend}] memory {name} {step} {which} ...", flush=True)
+                short = _point(backend, which, name, SHORT_LENGTH, step, args)
+                long = _point(backend, which, name, CONFIGS[name].length, step, args)
+                growth[which] = long["peak_mib"] - short["peak_mib"]
+            record[name][step]["ours_growth_mib"] = growth["ours"]
+            record[name][step]["builtin_growth_mib"] = growth["builtin"]
+            record[name][step]["growth_ratio"] = growth["ours"] / max(growth["builtin"], 1.0)
+    if args.scaling:
+        record["scaling"] = scaling(backend, args)
     print(json.dumps(record), flush=True)
     return record
 
 
-def _spread(record, step):
-    low, high = record[f"{step}_ratio_quartiles"]
-    return f"({low:.2f}-{high:.2f})"
+def scaling(backend, args):
+    """`{step: {which: [(length, ms or None, peak growth MiB or None, failure)]}}`."""
+    results = {}
+    for step in ("predict", "train"):
+        results[step] = {}
+        for which in ("ours", "builtin"):
+            base = _point(backend, which, LONG_MASKED.name, SHORT_LENGTH, step, args)["peak_mib"]
+            rows, failed = [], None
+            for length in SCALING_LENGTHS:
+                if failed:  # a longer sequence would fail the same way
+                    rows.append((length, None, None, failed))
+                    continue
+                print(f"[{backend}] scaling {step} {which} T={length} ...", flush=True)
+                point = _point(backend, which, LONG_MASKED.name, length, step, args)
+                failed = point.get("failed")
+                if failed:
+                    rows.append((length, None, None, failed))
+                else:
+                    rows.append((length, point["ms"], point["peak_mib"] - base, None))
+            results[step][which] = rows
+    return results
 
 
-def markdown(records, pairs, long_pairs):
+# --------------------------------------------------------------------------- report
+def _ratio(entry):
+    low, high = entry["quartiles"]
+    return f"**{entry['ratio']:.2f}x** ({low:.2f}-{high:.2f})"
+
+
+def markdown(records, args):
     date = datetime.date.today().isoformat()
     lines = [
         f"Measured {date} on {platform.machine()}, {os.cpu_count()} CPU cores, no GPU, with "
-        f"`make bench` (`benchmarks/run.py`). Ratios are ours / built-in (below 1: ours is "
-        f"faster or leaner); a time ratio is that of the medians, followed by the first and "
-        f"third quartiles of the per-round ratios.",
+        f"`make bench` (`benchmarks/run.py`), through `predict_on_batch`/`train_on_batch`. "
+        f"Ratios are ours / built-in (below 1: ours is faster or leaner); a time ratio is "
+        f"that of the medians of alternated rounds, followed by the first and third "
+        f"quartiles of the per-round ratios. Padded + causal: a quarter of the keys "
+        f"padding (B=8: one more sequence half padded) and `use_causal_mask=True`.",
         "",
-        f"Self-attention B={SPEED['batch']}, T={SPEED['length']}, dim {SPEED['dim']}, "
-        f"{SPEED['heads']} heads: medians of {pairs} alternated rounds (ms; each timed call "
-        f"follows an untimed one of the same layer); floor = layer "
-        f"FLOPs / the backend's best measured {MATMUL_SIZE}x{MATMUL_SIZE} matmul throughput.",
+        f"Short sequences, {args.pairs} rounds (ms); floor = the unmasked layer's FLOPs / "
+        f"the backend's best measured {MATMUL_SIZE}x{MATMUL_SIZE} float32 matmul rate.",
         "",
-        "| backend | predict ours | built-in | ratio | floor | train ours | built-in | ratio "
-        "| floor | matmul GFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| backend | case | predict ours | built-in | ratio | train ours | built-in | ratio |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
+        for name in (SHORT.name, SHORT_MASKED.name):
+            p, t = r[name]["predict"], r[name]["train"]
+            lines.append(
+                f"| {r['backend']} | {name} | {p['ours_ms']:.1f} | {p['builtin_ms']:.1f} "
+                f"| {_ratio(p)} | {t['ours_ms']:.1f} | {t['builtin_ms']:.1f} | {_ratio(t)} |"
+            )
+    lines += ["", "| backend | matmul GFLOP/s | predict floor ms | train floor ms |"]
+    lines += ["|---|---|---|---|"]
+    for r in records:
+        s = r[SHORT.name]
         lines.append(
-            f"| {r['backend']} | {r['ours_predict_ms']:.1f} | {r['builtin_predict_ms']:.1f} "
-            f"| **{r['predict_ratio']:.2f}x** {_spread(r, 'predict')} "
-            f"| {r['floor_predict_ms']:.1f} "
-            f"| {r['ours_train_ms']:.1f} | {r['builtin_train_ms']:.1f} "
-            f"| **{r['train_ratio']:.2f}x** {_spread(r, 'train')} | {r['floor_train_ms']:.1f} "
-            f"| {r['matmul_gflops']:.0f} |"
+            f"| {r['backend']} | {s['matmul_gflops']:.0f} | {s['predict']['floor_ms']:.1f} "
+            f"| {s['train']['floor_ms']:.1f} |"
         )
     lines += [
         "",
-        f"Long sequences B={LONG['batch']}, T=S={LONG['length']}, dim {LONG['dim']}, "
-        f"{LONG['heads']} heads, no scores: forward medians of {long_pairs} alternated rounds "
-        f"(ms); growth of peak RSS from T={LONG['short_length']} to T={LONG['length']} "
-        f"(MiB, a fresh process per configuration).",
+        f"Long sequences B=1, T=S=8192, dim 256, 4 heads: medians of {args.long_pairs} "
+        f"alternated rounds (ms); peak-RSS growth from T={SHORT_LENGTH} to T=8192 of one "
+        f"call (MiB, a fresh process per configuration).",
         "",
-        "| backend | forward ours | built-in | ratio | growth ours | built-in | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| backend | case | step | time ours | built-in | ratio | growth ours | built-in | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        lines.append(
-            f"| {r['backend']} | {r['ours_long_ms']:.0f} | {r['builtin_long_ms']:.0f} "
-            f"| **{r['long_ratio']:.2f}x** {_spread(r, 'long')} | {r['ours_growth_mib']:.0f} "
-            f"| {r['builtin_growth_mib']:.0f} | **{r['growth_ratio']:.2f}x** |"
-        )
+        for name, steps in ((LONG.name, ("predict",)), (LONG_MASKED.name, ("predict", "train"))):
+            for step in steps:
+                e = r[name][step]
+                lines.append(
+                    f"| {r['backend']} | {name} | {step} | {e['ours_ms']:.0f} "
+                    f"| {e['builtin_ms']:.0f} | {_ratio(e)} | {e['ours_growth_mib']:.0f} "
+                    f"| {e['builtin_growth_mib']:.0f} | **{e['growth_ratio']:.2f}x** |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -307,44 +403,156 @@ def plot(records, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = ["predict\nB=8 T=256", "train\nB=8 T=256", "forward\nT=8192", "memory growth\nT=8192"]
-    keys = ["predict_ratio", "train_ratio", "long_ratio", "growth_ratio"]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    cells = [
+        ("predict\nB=8 T=256", SHORT.name, "predict", "ratio"),
+        ("train\nB=8 T=256", SHORT.name, "train", "ratio"),
+        ("predict\npadded+causal", SHORT_MASKED.name, "predict", "ratio"),
+        ("train\npadded+causal", SHORT_MASKED.name, "train", "ratio"),
+        ("forward\nT=8192", LONG.name, "predict", "ratio"),
+        ("forward\nT=8192 p+c", LONG_MASKED.name, "predict", "ratio"),
+        ("train\nT=8192 p+c", LONG_MASKED.name, "train", "ratio"),
+        ("memory train\nT=8192 p+c", LONG_MASKED.name, "train", "growth_ratio"),
+    ]
+    fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / max(len(records), 1)
     for i, r in enumerate(records):
-        xs = [k + i * width for k in range(len(keys))]
-        ax.bar(xs, [r[k] for k in keys], width, label=r["backend"])
+        xs = [k + i * width for k in range(len(cells))]
+        ax.bar(xs, [r[name][step][key] for _, name, step, key in cells], width, label=r["backend"])
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks([k + width * (len(records) - 1) / 2 for k in range(len(keys))])
-    ax.set_xticklabels(labels)
+    ax.set_xticks([k + width * (len(records) - 1) / 2 for k in range(len(cells))])
+    ax.set_xticklabels([c[0] for c in cells], fontsize=8)
     ax.set_ylabel("ours / built-in (lower is better)")
     ax.set_title("keras_mha.MultiHeadAttention vs keras.layers.MultiHeadAttention (CPU)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _slope(rows, column):
+    """Least-squares slope of log(value) against log(T) over the measured points."""
+    points = [(math.log(r[0]), math.log(r[column])) for r in rows if r[column] and r[column] > 0]
+    if len(points) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    num = sum((x - mx) * (y - my) for x, y in points)
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return num / den
+
+
+def scaling_markdown(records, args):
+    date = datetime.date.today().isoformat()
+    lines = [
+        f"Measured {date} on {platform.machine()}, {os.cpu_count()} CPU cores, no GPU, with "
+        f"`make bench` (`benchmarks/run.py`). B=1, dim 256, 4 heads, a quarter of the keys "
+        f"padding, causal. Time of one call after a warm-up call (ms) and peak-RSS growth "
+        f"from T={SHORT_LENGTH} (MiB), a fresh process per point; a process that passed "
+        f"{args.memory_limit:g} GiB or {args.time_limit:g} s was stopped. Slope: "
+        f"least-squares fit of log(value) against log(T) (2 = quadratic, 1 = linear).",
+        "",
+    ]
+    for r in records:
+        for step, by_which in r["scaling"].items():
+            lines += [
+                f"**{r['backend']}, {'forward' if step == 'predict' else 'train step'}**",
+                "",
+                "| T | ours ms | built-in ms | ours MiB | built-in MiB |",
+                "|---|---|---|---|---|",
+            ]
+            for ours_row, builtin_row in zip(by_which["ours"], by_which["builtin"]):
+                cells = []
+                for column in (1, 2):
+                    for row in (ours_row, builtin_row):
+                        value = row[column]
+                        cells.append(row[3] if value is None else f"{value:.0f}")
+                lines.append(
+                    f"| {ours_row[0]} | " + " | ".join(cells[i] for i in (0, 1, 2, 3)) + " |"
+                )
+            slopes = []
+            for label, column in (("time", 1), ("memory", 2)):
+                for which in ("ours", "builtin"):
+                    s = _slope(by_which[which], column)
+                    slopes.append(f"{label} {which} {'—' if s is None else f'{s:.2f}'}")
+            lines += ["", "Slopes: " + ", ".join(slopes), ""]
+    return "\n".join(lines) + "\n"
+
+
+def scaling_plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        2, 2 * len(records), figsize=(4.2 * len(records) * 2, 7), squeeze=False
+    )
+    for i, r in enumerate(records):
+        for j, step in enumerate(("predict", "train")):
+            for row, (column, label) in enumerate(((1, "time (ms)"), (2, "peak growth (MiB)"))):
+                ax = axes[row, 2 * i + j]
+                for which, style in (("ours", "o-"), ("builtin", "s--")):
+                    rows = [x for x in r["scaling"][step][which] if x[column]]
+                    slope = _slope(r["scaling"][step][which], column)
+                    name = f"{which} (slope {slope:.2f})" if slope is not None else which
+                    ax.plot([x[0] for x in rows], [x[column] for x in rows], style, label=name)
+                    failed = [x for x in r["scaling"][step][which] if x[3]]
+                    if failed:
+                        ax.annotate(
+                            f"built-in: {failed[0][3]} from T={failed[0][0]}"
+                            if which == "builtin"
+                            else f"ours: {failed[0][3]}",
+                            (0.02, 0.02 if which == "builtin" else 0.1),
+                            xycoords="axes fraction",
+                            fontsize=7,
+                        )
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_xlabel("T")
+                ax.set_ylabel(label)
+                ax.set_title(
+                    f"{r['backend']} {'forward' if step == 'predict' else 'train step'}", fontsize=9
+                )
+                ax.legend(fontsize=7)
+    fig.suptitle("Padded + causal self-attention, B=1, dim 256, 4 heads (CPU, log-log)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--pairs", type=int, default=25)
-    parser.add_argument("--long-pairs", type=int, default=15)
+    parser.add_argument("--long-pairs", type=int, default=7)
+    parser.add_argument("--no-scaling", dest="scaling", action="store_false")
+    parser.add_argument("--memory-limit", type=float, default=16.0, help="GiB per process")
+    parser.add_argument("--time-limit", type=float, default=900.0, help="seconds per process")
     parser.add_argument("--out", default=RESULTS)
-    parser.add_argument("--worker", choices=("speed", "long_time", "memory"), help="internal")
+    parser.add_argument("--worker", choices=("pairs", "point"), help="internal")
+    parser.add_argument("--config", help="internal")
+    parser.add_argument("--steps", help="internal")
     parser.add_argument("--which", choices=("ours", "builtin"), help="internal")
     parser.add_argument("--length", type=int, help="internal")
+    parser.add_argument("--step", help="internal")
+    parser.add_argument("--repeats", type=int, default=1, help="internal")
     args = parser.parse_args(argv)
     if args.worker:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         return _child(args)
-    records = [run_backend(b, args.pairs, args.long_pairs) for b in args.backends]
+    records = [run_backend(b, args) for b in args.backends]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cpu.md"), "w") as f:
-        f.write(markdown(records, args.pairs, args.long_pairs))
+        f.write(markdown(records, args))
     with open(os.path.join(args.out, "cpu.json"), "w") as f:
         json.dump(records, f, indent=1)
     plot(records, os.path.join(args.out, "cpu.png"))
     print(open(os.path.join(args.out, "cpu.md")).read())
+    if args.scaling:
+        with open(os.path.join(args.out, "scaling.md"), "w") as f:
+            f.write(scaling_markdown(records, args))
+        scaling_plot(records, os.path.join(args.out, "scaling.png"))
+        print(open(os.path.join(args.out, "scaling.md")).read())
 
 
 if __name__ == "__main__":
