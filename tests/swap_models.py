@@ -1,0 +1,101 @@
+"""Models on `keras.layers.MultiHeadAttention`, as users write them (keras.io's text
+classification with a Transformer), for the swap tests and the CLI's `--import`.
+
+    KERAS_BACKEND=jax python tests/swap_models.py save OUT.keras   # the classifier
+"""
+
+import sys
+
+import keras
+from keras import layers
+
+PACKAGE = "swap_models"
+VOCAB, MAXLEN, EMBED, HEADS, FF = 20, 8, 16, 2, 16
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class TransformerBlock(layers.Layer):
+    """keras.io's block: the built-in attention is created in `__init__`."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True  # padding stays masked down to the pooling
+        self.embed_dim, self.num_heads, self.ff_dim, self.rate = embed_dim, num_heads, ff_dim, rate
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential(
+            [layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)]
+        )
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs, training=False):
+        attn_output = self.att(inputs, inputs)
+        attn_output = self.dropout1(attn_output, training=training)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.ffn(out1)
+        ffn_output = self.dropout2(ffn_output, training=training)
+        return self.layernorm2(out1 + ffn_output)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            embed_dim=self.embed_dim, num_heads=self.num_heads, ff_dim=self.ff_dim, rate=self.rate
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class Encoder(layers.Layer):
+    """Two levels down: a layer holding a list of blocks."""
+
+    def __init__(self, depth=2, **kwargs):
+        super().__init__(**kwargs)
+        self.depth = depth
+        self.blocks = [TransformerBlock(EMBED, HEADS, FF) for _ in range(depth)]
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def get_config(self):
+        return {**super().get_config(), "depth": self.depth}
+
+
+def build_classifier(seed=0):
+    """Embedding(mask_zero=True) -> TransformerBlock (built-in inside) -> a top-level
+    built-in attention with a causal mask -> pooling -> Dense."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((MAXLEN,), dtype="int32", name="tokens")
+    x = layers.Embedding(VOCAB, EMBED, mask_zero=True)(tokens)
+    x = TransformerBlock(EMBED, HEADS, FF, name="block")(x)
+    x = layers.MultiHeadAttention(2, 8, name="causal_attention")(
+        x, x, use_causal_mask=True
+    )
+    x = layers.GlobalAveragePooling1D()(x)
+    outputs = layers.Dense(3, activation="softmax", name="classes")(x)
+    model = keras.Model(tokens, outputs, name="classifier")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def build_deep(seed=0):
+    """Attention two user layers down, in a list: Encoder -> blocks[i] -> att."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((MAXLEN, EMBED), name="features")
+    return keras.Model(x, layers.Dense(2)(Encoder(name="encoder")(x)), name="deep")
+
+
+def build_plain(seed=0):
+    """No attention at all."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((4,), name="x")
+    return keras.Model(x, layers.Dense(2)(x), name="plain")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "save":
+        sys.exit(f"usage: KERAS_BACKEND=... {sys.argv[0]} save OUT.keras")
+    build_classifier().save(sys.argv[2])
