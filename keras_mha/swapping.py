@@ -373,6 +373,7 @@ def _children(layer):
         return [(child.name, child) for child in children]
     names = {}
     attributes = [(a, v) for a, v in vars(layer).items() if a != "_layers"]
+    attributes += list(getattr(layer, "_modules", {}).items())  # torch keeps sublayers there
     for attr, value in attributes:  # direct attributes first: `att` before `blocks[0]`
         if isinstance(value, keras.layers.Layer):
             names.setdefault(id(value), attr)
