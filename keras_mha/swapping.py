@@ -408,7 +408,7 @@ def swap_report(original, result):
             {
                 "path": path,
                 "before": _class_name(old),
-                "after": _class_name(new),
+                "after": _class_name(new) + (" on keras_mha" if status == REBUILT else ""),
                 "status": status,
                 "config": config_summary(old),
                 "reason": reason,

@@ -7,6 +7,7 @@ classification with a Transformer), for the swap tests and the CLI's `--import`.
 import sys
 
 import keras
+import numpy as np
 from keras import layers
 
 PACKAGE = "swap_models"
@@ -62,6 +63,43 @@ class Encoder(layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "depth": self.depth}
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class CachedAttention(layers.MultiHeadAttention):
+    """keras-hub's `CachedMultiHeadAttention` pattern: its own `call` over the
+    documented protected surface (projections and `_compute_attention`)."""
+
+    def call(self, query, value, key=None, attention_mask=None, training=None):
+        key = value if key is None else key
+        query = self._query_dense(query)
+        key, value = self._key_dense(key), self._value_dense(value)
+        output, _ = self._compute_attention(
+            query=query, key=key, value=value, attention_mask=attention_mask, training=training
+        )
+        return self._output_dense(output)
+
+    def get_config(self):
+        return super().get_config()  # zero-argument super(): rebound when rebuilt
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class SoftmaxHookAttention(layers.MultiHeadAttention):
+    """Overrides a built-in internal that ours does not call: cannot be rebuilt."""
+
+    def _build_attention(self, rank):
+        super()._build_attention(rank)
+        self.softmax_axes = self._softmax.axis
+
+
+def build_subclassed(seed=0):
+    """One eligible subclass (rebuilt on ours), one that is not (left alone)."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((MAXLEN, EMBED), name="features")
+    causal = np.tril(np.ones((1, MAXLEN, MAXLEN), bool))
+    y = CachedAttention(2, 8, name="cached")(x, x, attention_mask=causal)
+    y = SoftmaxHookAttention(2, 8, name="hooked")(y, y)
+    return keras.Model(x, y, name="subclassed")
 
 
 def build_classifier(seed=0):
