@@ -109,9 +109,7 @@ def build_classifier(seed=0):
     tokens = keras.Input((MAXLEN,), dtype="int32", name="tokens")
     x = layers.Embedding(VOCAB, EMBED, mask_zero=True)(tokens)
     x = TransformerBlock(EMBED, HEADS, FF, name="block")(x)
-    x = layers.MultiHeadAttention(2, 8, name="causal_attention")(
-        x, x, use_causal_mask=True
-    )
+    x = layers.MultiHeadAttention(2, 8, name="causal_attention")(x, x, use_causal_mask=True)
     x = layers.GlobalAveragePooling1D()(x)
     outputs = layers.Dense(3, activation="softmax", name="classes")(x)
     model = keras.Model(tokens, outputs, name="classifier")

@@ -98,9 +98,7 @@ def test_swapped_model_trains(classifier):
     before = [to_numpy(w) for w in attention.trainable_weights]
     labels = np.array([0, 2])
     swapped.train_on_batch(_tokens(), labels)
-    assert any(
-        not np.allclose(to_numpy(w), b) for w, b in zip(attention.trainable_weights, before)
-    )
+    assert any(not np.allclose(to_numpy(w), b) for w, b in zip(attention.trainable_weights, before))
 
 
 def test_swapped_context_constructs_ours_where_user_code_builds_the_builtin():
