@@ -657,8 +657,9 @@ def _weight_gradients(model, inputs, cotangents):
         with tf.GradientTape() as tape:
             loss = loss_of(model(inputs, training=False))
         grads = tape.gradient(loss, [v.value for v in variables])
+        # An embedding's gradient is `IndexedSlices`: made dense here.
         return [
-            np.zeros(v.shape, "float32") if g is None else np.asarray(g)
+            np.zeros(v.shape, "float32") if g is None else tf.convert_to_tensor(g).numpy()
             for v, g in zip(variables, grads)
         ]
     if backend == "jax":

@@ -1,6 +1,8 @@
 """Runs the pytest suite once per Keras backend, each in its own process, then the
-notebooks. Prints one summary line per backend and fails when any backend fails, is
-not installed, or ran no test: no backend is ever skipped silently.
+tests marked `once` (they cover every backend in subprocesses, or need none) in one
+more run, on the first backend, then the notebooks. Prints one summary line per backend
+and fails when any backend fails, is not installed, or ran no test: no backend is ever
+skipped silently.
 
     python tests/run_backends.py --backends tensorflow jax torch --notebook-backend jax
 """
@@ -76,7 +78,14 @@ def main():
             all_ok = False
             totals["failed"] += 1
             continue
-        ok, counts = _run_pytest(backend, backend, ["-m", "not notebook", *extra])
+        ok, counts = _run_pytest(backend, backend, ["-m", "not notebook and not once", *extra])
+        all_ok &= ok
+        for key in totals:
+            totals[key] += counts[key]
+    if args.backends:
+        ok, counts = _run_pytest(
+            f"once[{args.backends[0]}]", args.backends[0], ["-m", "once", *extra]
+        )
         all_ok &= ok
         for key in totals:
             totals[key] += counts[key]
