@@ -48,7 +48,7 @@ def main(argv=None):
 def _check_cli_dependencies(args):
     import importlib.util
 
-    needed = ["rich"] + (["matplotlib"] if getattr(args, "plot", None) else [])
+    needed = ["matplotlib"] if getattr(args, "plot", None) else []
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(f"needs {' and '.join(missing)}, not installed: {CLI_EXTRA}")

@@ -133,28 +133,18 @@ def _cli(fresh_venv, *args, cwd):
 @pytest.mark.slow
 def test_fresh_venv_with_one_backend_runs_the_command_line(fresh_venv, tmp_path):
     python = str(fresh_venv["bin"] / "python")
-    missing = _python(
-        "import importlib.util as u; print([m for m in ('tensorflow', 'torch', 'rich') "
+    absent = _python(
+        "import importlib.util as u; print([m for m in ('tensorflow', 'torch', 'matplotlib') "
         "if u.find_spec(m)])",
         executable=python,
         cwd=tmp_path,
     )
-    assert missing.strip() == "[]"
+    assert absent.strip() == "[]"
 
     done = _cli(fresh_venv, "--help", cwd=tmp_path)
     assert done.returncode == 0 and "swap" in done.stdout, done.stderr
-    # [jax] alone: the command line says which extra it needs, in one line.
-    done = _cli(fresh_venv, "compare", "--quick", cwd=tmp_path)
-    assert done.returncode == 2
-    assert done.stderr.strip() == (
-        "keras-mha compare: error: needs rich, not installed: pip install 'keras-mha[cli]'"
-    )
-
-    # The README's line: keras-mha[jax,cli].
-    _pip(fresh_venv["bin"], f"keras-mha[jax,cli] @ {fresh_venv['wheel'].as_uri()}")
-    done = _cli(
-        fresh_venv, "compare", "--quick", "--cases", "seq6_scores", "--repeats", "1", cwd=tmp_path
-    )
+    quick = ("compare", "--quick", "--cases", "seq6_scores", "--repeats", "1")
+    done = _cli(fresh_venv, *quick, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "jax: PASS" in done.stdout
     assert "tensorflow: not installed, skipped" in done.stdout
@@ -184,3 +174,14 @@ def test_fresh_venv_with_one_backend_runs_the_command_line(fresh_venv, tmp_path)
         cwd=tmp_path,
     )
     assert out.strip() == "keras_mha.layer"
+
+    # --plot needs matplotlib: one line naming the extra, nothing written; [cli] adds it.
+    done = _cli(fresh_venv, *quick, "--plot", "p.png", cwd=tmp_path)
+    assert done.returncode == 2 and not (tmp_path / "p.png").exists()
+    assert done.stderr.strip() == (
+        "keras-mha compare: error: needs matplotlib, not installed: pip install 'keras-mha[cli]'"
+    )
+    _pip(fresh_venv["bin"], f"keras-mha[jax,cli] @ {fresh_venv['wheel'].as_uri()}")
+    done = _cli(fresh_venv, *quick, "--plot", "p.png", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
