@@ -99,7 +99,7 @@ def test_worker_usage_errors_exit_2_with_one_line_and_nothing_written(saved, tmp
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"keras-mha compare: error: {saved['classifier']}: cannot load")
-    assert "'swap_models>TransformerBlock' is not registered" in line and "--import" in line
+    assert "'TransformerBlock' is not registered" in line and "--import" in line
     assert not json_path.exists()
 
 
