@@ -158,7 +158,7 @@ def _console():
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=160)  # logs and pipes: keep each table row on one line
+        console = Console(width=200)  # logs and pipes: keep each table row on one line
     return console
 
 
