@@ -1,4 +1,4 @@
-"""`python -m keras_mha compare ...`: the same as the `keras-mha` console script."""
+"""`python -m keras_mha ...`: the same as the `keras-mha` console script."""
 
 import sys
 

@@ -2,28 +2,56 @@
 
     keras-mha compare [--backend {all,tensorflow,jax,torch}] [--quick] [--repeats N]
                       [--json PATH] [--plot PATH] [--cases NAME,...]
+    keras-mha compare --model IN.keras [--import MODULE ...] [--inputs FILE.npz]
+                      [--backend ...] [--repeats N] [--no-memory] [--json PATH] [--plot PATH]
+    keras-mha swap IN.keras OUT.keras [--import MODULE ...] [--inputs FILE.npz]
+                   [--backend NAME]
 
-Exits with status 1 when any difference exceeds its tolerance (or our layer failed),
-2 on a usage error, 0 otherwise.
+It imports no backend itself: it finds the installed ones and runs each one's work in
+a child process with `KERAS_BACKEND` set. Exits with status 1 when any difference
+exceeds its tolerance (or our layer failed), 2 on a usage error (one line naming the
+file, module or input; nothing is written), 0 otherwise.
 """
 
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 
 from keras_mha import compare
+from keras_mha.user_model import UsageError
+
+CLI_EXTRA = "pip install 'keras-mha[cli]'"
 
 
 def main(argv=None):
     """Entry point of the `keras-mha` console script; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command != "compare":
+    if args.command is None:
         parser.print_help()
         return 2
-    return _compare(args, parser)
+    try:
+        _check_cli_dependencies(args)
+        if args.command == "swap":
+            return _swap(args)
+        if args.model is not None:
+            return _compare_model(args, parser)
+        return _compare(args, parser)
+    except UsageError as error:
+        print(f"keras-mha {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _check_cli_dependencies(args):
+    import importlib.util
+
+    needed = ["matplotlib"] if getattr(args, "plot", None) else []
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"needs {' and '.join(missing)}, not installed: {CLI_EXTRA}")
 
 
 def _parser():
@@ -54,9 +82,62 @@ def _parser():
     cmd.add_argument("--plot", metavar="PATH", help="write a PNG of the speed ratios")
     names = ",".join(case.name for case in compare.DEFAULT_CASES)
     cmd.add_argument("--cases", metavar="NAME,...", help=f"a subset of: {names}")
+    cmd.add_argument(
+        "--model",
+        metavar="IN.keras",
+        help="compare on your own model instead: the file as it is and swapped "
+        "(outputs, weight gradients, time and peak memory)",
+    )
+    _user_model_arguments(cmd)
+    cmd.add_argument(
+        "--no-memory",
+        action="store_true",
+        help="with --model: skip the peak-memory runs (two more processes per backend)",
+    )
     # Testing aid: noise on our copied weights plants a mismatch.
     cmd.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
+
+    swap = commands.add_parser(
+        "swap",
+        help="write a copy of your model with keras_mha's attention in place of the built-in",
+        description=(
+            "Loads IN.keras, swaps every keras.layers.MultiHeadAttention (at the top level "
+            "or inside your layers) for keras_mha.MultiHeadAttention with the same "
+            "configuration and weights, checks the outputs on synthesized inputs (or "
+            "--inputs) and writes OUT.keras, which loads with `import keras_mha` (also "
+            "with safe_mode=True). Exits with 1 when an output differs by more than "
+            f"{compare.ATOL:g}."
+        ),
+    )
+    swap.add_argument("input", metavar="IN.keras")
+    swap.add_argument("output", metavar="OUT.keras")
+    _user_model_arguments(swap)
+    swap.add_argument(
+        "--backend",
+        choices=compare.BACKENDS,
+        default=None,
+        help="the backend that runs it (default: $KERAS_BACKEND, else the first installed)",
+    )
+    swap.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
     return parser
+
+
+def _user_model_arguments(parser):
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        metavar="MODULE",
+        action="append",
+        default=[],
+        help="a module to import first: the one that registers your custom layers "
+        "(repeat for several)",
+    )
+    parser.add_argument(
+        "--inputs",
+        metavar="FILE.npz",
+        help="the model's inputs, by input name or in order (default: synthesized from "
+        "its input specs: floats standard normal, ints in [1, 10))",
+    )
 
 
 def _positive_int(text):
@@ -72,35 +153,56 @@ def _positive_int(text):
     return value
 
 
-def _compare(args, parser):
+def _console():
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=160)  # logs and pipes: keep each table row on one line
-    try:
-        names = None if args.cases is None else [n for n in args.cases.split(",") if n]
-        cases = compare.get_cases(names)
-    except ValueError as error:
-        parser.error(str(error))
-    installed = compare.installed_backends()
-    if args.backend == "all":
-        backends = installed
-        for missing in sorted(set(compare.BACKENDS) - set(installed)):
-            console.print(f"[yellow]{missing}: not installed, skipped[/yellow]")
-    else:
-        backends = (args.backend,)
+        console = Console(width=200)  # logs and pipes: keep each table row on one line
+    return console
 
-    records = []
-    with Progress(
+
+def _progress(console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
         transient=True,
-    ) as progress:
+    )
+
+
+def _backends(choice, console):
+    installed = compare.installed_backends()
+    if not installed:
+        raise UsageError(
+            "no backend installed: pip install 'keras-mha[jax]' (or tensorflow, torch)"
+        )
+    if choice == "all":
+        for missing in sorted(set(compare.BACKENDS) - set(installed)):
+            console.print(f"[yellow]{missing}: not installed, skipped[/yellow]")
+        return installed
+    if choice not in installed:
+        raise UsageError(f"--backend {choice}: not installed")
+    return (choice,)
+
+
+def _compare(args, parser):
+    if args.imports or args.inputs or args.no_memory:
+        parser.error("--import, --inputs and --no-memory go with --model")
+    console = _console()
+    try:
+        names = None if args.cases is None else [n for n in args.cases.split(",") if n]
+        cases = compare.get_cases(names)
+    except ValueError as error:
+        parser.error(str(error))
+    backends = _backends(args.backend, console)
+
+    records = []
+    with _progress(console) as progress:
         task = progress.add_task("starting", total=len(backends) * len(cases))
         for backend in backends:
             progress.update(task, description=f"{backend}: starting worker")
@@ -119,6 +221,10 @@ def _compare(args, parser):
                 )
             )
 
+    return _report(console, backends, records, args)
+
+
+def _report(console, backends, records, args):
     for backend in backends:
         rows = [r for r in records if r["backend"] == backend]
         console.print(render_table(backend, rows))
@@ -131,6 +237,101 @@ def _compare(args, parser):
         plot_ratios(records, args.plot)
         console.print(f"plot written to {args.plot}")
     return 0 if all(r["passed"] for r in records) else 1
+
+
+def _compare_model(args, parser):
+    if args.cases is not None or args.quick:
+        parser.error("--cases and --quick go with the built-in cases, not with --model")
+    _check_readable(args.model, args.inputs)
+    _check_writable(args.json, args.plot)
+    console = _console()
+    backends = _backends(args.backend, console)
+    records = []
+    with _progress(console) as progress:
+        task = progress.add_task("starting", total=len(backends))
+        for backend in backends:
+            progress.update(task, description=f"{backend}: loading, swapping, comparing")
+
+            def on_record(record, backend=backend):
+                progress.update(task, advance=1, description=f"{backend}: done")
+
+            records.extend(
+                compare.run_model_backend(
+                    backend,
+                    args.model,
+                    imports=args.imports,
+                    inputs=args.inputs,
+                    repeats=args.repeats,
+                    memory=not args.no_memory,
+                    perturb=args.perturb,
+                    on_record=on_record,
+                )
+            )
+    layers = next((r["layers"] for r in records if r.get("layers")), None)
+    if layers:
+        console.print(render_layers(layers))
+    return _report(console, backends, records, args)
+
+
+def _swap(args):
+    _check_readable(args.input, args.inputs)
+    backend = args.backend
+    installed = compare.installed_backends()
+    if backend is None:
+        preferred = os.environ.get("KERAS_BACKEND")
+        backend = preferred if preferred in installed else (installed or [None])[0]
+    if backend is None:
+        raise UsageError(
+            "no backend installed: pip install 'keras-mha[jax]' (or tensorflow, torch)"
+        )
+    if backend not in installed:
+        raise UsageError(f"--backend {backend}: not installed")
+    console = _console()
+    with console.status(f"{backend}: loading, swapping, checking the outputs"):
+        result = compare.run_swap(
+            backend,
+            args.input,
+            args.output,
+            imports=args.imports,
+            inputs=args.inputs,
+            perturb=args.perturb,
+        )
+    console.print(render_layers(result["layers"], title=f"{args.input} -> {args.output}"))
+    shapes = ", ".join(f"{k} {tuple(v)}" for k, v in result["inputs"].items())
+    diff = f"largest output difference {result['max_abs_diff']:.1e} on {shapes} ({backend})"
+    if result["passed"]:
+        console.print(f"[green]PASS[/green]: {diff}, within {result['tolerance']:g}")
+    else:
+        console.print(f"[red]FAIL[/red]: {diff}, above {result['tolerance']:g}")
+    console.print(f"written to {result['out']}")
+    return 0 if result["passed"] else 1
+
+
+def _check_readable(*paths):
+    for path in paths:
+        if path is not None and not os.path.isfile(path):
+            raise UsageError(f"{path}: no such file")
+
+
+def _check_writable(*paths):
+    for path in paths:
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(f"{path}: no such folder")
+
+
+def render_layers(rows, title="attention layers"):
+    """A rich `Table` of a swap report: path, before -> after, configuration."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("layer", "was", "now", "config"):
+        table.add_column(column, no_wrap=column != "config")
+    for row in rows:
+        now = row["after"]
+        if row["status"] == "left on the built-in":
+            now = f"[yellow]left: {row['reason']}[/yellow]"
+        table.add_row(row["path"], row["before"], now, row["config"])
+    return table
 
 
 def render_table(backend, records):
@@ -146,6 +347,10 @@ def render_table(backend, records):
         table.add_column(column, justify="right", no_wrap=True)
     for column in ("predict ours", "built-in", "ratio", "train ours", "built-in", "ratio"):
         table.add_column(column, justify="right", no_wrap=True)
+    memory = any(r.get("ours_peak_mib") or r.get("builtin_peak_mib") for r in records)
+    if memory:
+        for column in ("peak MiB ours", "built-in", "ratio"):
+            table.add_column(column, justify="right", no_wrap=True)
     table.add_column("status")
     notes = []
     for r in records:
@@ -169,6 +374,15 @@ def render_table(backend, records):
             _ms(r["ours_train_ms"]),
             _ms(r["builtin_train_ms"]),
             _ratio(r["train_ratio"]),
+            *(
+                (
+                    _mib(r.get("ours_peak_mib")),
+                    _mib(r.get("builtin_peak_mib")),
+                    _ratio(r.get("peak_ratio")),
+                )
+                if memory
+                else ()
+            ),
             status,
         )
     if notes:
@@ -181,11 +395,12 @@ def verdict(backend, records):
     failed = [r["case"] for r in records if not r["passed"]]
     compared = sum(r["max_abs_diff"] is not None for r in records)
     speed = []
-    for step in ("predict", "train"):
-        ratios = [r[f"{step}_ratio"] for r in records if r[f"{step}_ratio"]]
+    for step in ("predict", "train", "peak"):
+        ratios = [r[f"{step}_ratio"] for r in records if r.get(f"{step}_ratio")]
         if ratios:
-            speed.append(f"{step} {statistics.median(ratios):.2f}x")
-    speed = ", median time ours/built-in: " + ", ".join(speed) if speed else ""
+            what = "peak memory" if step == "peak" else step
+            speed.append(f"{what} {statistics.median(ratios):.2f}x")
+    speed = ", median ours/built-in: " + ", ".join(speed) if speed else ""
     if failed:
         return f"[red]{backend}: FAIL[/red] on {', '.join(failed)}{speed}"
     return (
@@ -205,12 +420,18 @@ def plot_ratios(records, path):
     fig, axes = plt.subplots(
         len(backends), 1, figsize=(9, 2.8 * max(1, len(backends))), squeeze=False
     )
+    steps = ["predict", "train"]
+    if any(r.get("peak_ratio") for r in records):
+        steps.append("peak")
+    width = 0.8 / len(steps)
     for ax, backend in zip(axes[:, 0], backends):
         rows = [r for r in records if r["backend"] == backend]
         xs = range(len(rows))
-        for offset, step in ((-0.2, "predict"), (0.2, "train")):
-            values = [r[f"{step}_ratio"] or math.nan for r in rows]
-            ax.bar([x + offset for x in xs], values, width=0.4, label=step)
+        for i, step in enumerate(steps):
+            offset = (i - (len(steps) - 1) / 2) * width
+            values = [r.get(f"{step}_ratio") or math.nan for r in rows]
+            label = "peak memory" if step == "peak" else step
+            ax.bar([x + offset for x in xs], values, width=width, label=label)
         for x, r in zip(xs, rows):
             if r["predict_ratio"] is None and r["train_ratio"] is None:
                 ax.text(x, 1.0, "built-in\nfailed", ha="center", va="bottom", fontsize=7)
@@ -231,6 +452,10 @@ def _sci(value):
 
 def _ms(value):
     return "—" if value is None else f"{value:.2f}"
+
+
+def _mib(value):
+    return "—" if value is None else f"{value:.0f}"
 
 
 def _ratio(value):

@@ -19,6 +19,14 @@ Each record is a plain dict (see `RECORD_KEYS`); timings are milliseconds, ratio
 ours / built-in (below 1 means ours is faster). Where the built-in fails (on JAX it cannot
 run `value_dim != key_dim`) its fields are `None` and `builtin_error` holds its message.
 
+`compare_model` does the same for the user's own model (`keras-mha compare --model`):
+it loads a `.keras` file as it is and swapped (`keras_mha.swapping`), compares the
+outputs and the gradients of a scalar loss with respect to the trainable weights, times
+`predict_on_batch` and a train step (SGD on an MSE loss against zeros, for both), and
+`run_model_backend` adds the peak memory of each, measured in a fresh process per model
+(the GPU's peak allocation where the backend has one, else the process's peak RSS).
+`swap_file` is `keras-mha swap`: swap, check the outputs, write the swapped file.
+
 Tolerances (float32): outputs and scores must agree to `ATOL = 1e-4` absolute. Input
 gradients are sums over every output element that depends on the input (`T * dim` terms
 for a query row), so their rounding error grows with their magnitude: they must agree to
@@ -62,6 +70,9 @@ RECORD_KEYS = (
     "ours_train_ms",
     "builtin_train_ms",
     "train_ratio",
+    "ours_peak_mib",
+    "builtin_peak_mib",
+    "peak_ratio",
     "builtin_error",
     "ours_error",
     "tolerance",
@@ -400,6 +411,14 @@ def _time_models(record, ours, builtin, inputs, repeats):
         "predict": lambda m: m["model"].predict_on_batch(inputs),
         "train": lambda m: m["train_model"].train_on_batch(inputs, target),
     }
+    _time_steps(record, models, steps, repeats)
+
+
+def _time_steps(record, models, steps, repeats):
+    """For each step, the median ms of `step(model)` for each of `models` ("ours" and
+    maybe "builtin"), in alternated rounds after a warm-up; sets the record's times and
+    ratios. A built-in that fails is recorded and dropped; ours failing raises."""
+    models = dict(models)
     for step_name, step in steps.items():
         times = {name: [] for name in models}
         for name, built in list(models.items()):
@@ -443,6 +462,286 @@ def _error_text(error):
     return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()[:300]
 
 
+# ------------------------------------------------------------- the user's model
+def compare_model(path, imports=(), inputs=None, repeats=None, perturb=0.0, seed=0):
+    """Compares the model of a `.keras` file with its swapped copy, on this backend.
+
+    Args:
+        path: The `.keras` file.
+        imports: Modules to import first (they register the model's custom objects).
+        inputs: A `.npz` file of inputs, or `None` to synthesise them from the
+            model's input specs (see `keras_mha.user_model`).
+        repeats: Timed calls per model and step (`None`: `DEFAULT_REPEATS`); 0 skips
+            timing.
+        perturb: Noise added to the swapped model's weights (testing aid).
+        seed: Seed of the synthesised inputs, the cotangents and the noise.
+
+    Returns:
+        A record (the keys of `RECORD_KEYS`, `case` being the model's name), plus
+        `inputs` (name -> shape) and `layers` (`swapping.swap_report`'s rows).
+
+    Raises:
+        user_model.UsageError: The file, a module or the inputs cannot be used.
+    """
+    import keras
+
+    repeats = DEFAULT_REPEATS if repeats is None else repeats
+    builtin, ours, rows, arrays, specs = _load_pair(path, imports, inputs, seed)
+    rng = np.random.default_rng(seed)
+    if perturb:
+        _perturb(ours, perturb, rng)
+    record = dict.fromkeys(RECORD_KEYS)
+    record.update(
+        backend=keras.backend.backend(),
+        case=builtin.name,
+        description=f"{os.path.basename(path)}: {_describe(rows)}",
+        query_shape=list(arrays[0].shape),
+        quick=False,
+        tolerance=ATOL,
+        inputs={name: list(a.shape) for (name, _, _), a in zip(specs, arrays)},
+        layers=rows,
+    )
+    from keras_mha import user_model
+
+    feed = user_model.model_inputs(builtin, arrays)
+    try:
+        reference = _flat_outputs(builtin.predict_on_batch(feed))
+    except Exception as error:
+        reference = None
+        record["builtin_error"] = _error_text(error)
+    try:
+        result = _flat_outputs(ours.predict_on_batch(feed))
+        cotangents = [rng.standard_normal(o.shape).astype("float32") for o in result]
+        ours_grads = _weight_gradients(ours, feed, cotangents)
+        if reference is not None:
+            record["max_abs_diff"] = max(_max_abs_diff(a, b) for a, b in zip(result, reference))
+            builtin_grads = _weight_gradients(builtin, feed, cotangents)
+            if [g.shape for g in ours_grads] != [g.shape for g in builtin_grads]:
+                raise ValueError("the trainable weights of the two models do not pair up")
+            record["grad_max_abs_diff"] = max(
+                (_max_abs_diff(a, b) for a, b in zip(ours_grads, builtin_grads)), default=0.0
+            )
+            record["grad_scale"] = max(
+                (float(np.max(np.abs(g))) for g in builtin_grads if g.size), default=0.0
+            )
+        finite = all(np.all(np.isfinite(x)) for x in [*result, *ours_grads])
+    except Exception as error:
+        record["ours_error"] = _error_text(error)
+        record["passed"] = False
+        return record
+    record["passed"] = bool(finite and within_tolerance(record))
+    if repeats > 0:
+        try:
+            _time_user_models(record, ours, builtin, feed, repeats)
+        except Exception as error:
+            record["ours_error"] = _error_text(error)
+            record["passed"] = False
+    return record
+
+
+def swap_file(in_path, out_path, imports=(), inputs=None, perturb=0.0, seed=0):
+    """`keras-mha swap`: loads `in_path` as it is and swapped, compares their outputs on
+    the inputs, writes the swapped model to `out_path` (see `swapping.save_swapped`).
+
+    Returns:
+        A dict: `backend`, `model`, `layers` (`swapping.swap_report`'s rows),
+        `inputs` (name -> shape), `max_abs_diff`, `tolerance`, `passed`, `out`.
+
+    Raises:
+        user_model.UsageError: The files, a module or the inputs cannot be used;
+            nothing is written then.
+    """
+    import keras
+
+    from keras_mha import swapping, user_model
+
+    user_model.check_output_path(out_path)
+    builtin, ours, rows, arrays, specs = _load_pair(in_path, imports, inputs, seed)
+    if perturb:
+        _perturb(ours, perturb, np.random.default_rng(seed))
+    feed = user_model.model_inputs(builtin, arrays)
+    reference = _flat_outputs(builtin.predict_on_batch(feed))
+    result = _flat_outputs(ours.predict_on_batch(feed))
+    diff = max(_max_abs_diff(a, b) for a, b in zip(result, reference))
+    swapping.save_swapped(ours, out_path)
+    return {
+        "backend": keras.backend.backend(),
+        "model": builtin.name,
+        "layers": rows,
+        "inputs": {name: list(a.shape) for (name, _, _), a in zip(specs, arrays)},
+        "max_abs_diff": diff,
+        "tolerance": ATOL,
+        "passed": bool(diff <= ATOL and all(np.all(np.isfinite(r)) for r in result)),
+        "out": out_path,
+    }
+
+
+def peak_memory(path, which, imports=(), inputs=None, seed=0):
+    """MiB at the peak of one predict and one train step of one model ("ours": the
+    swapped copy, "builtin": the file as it is), in this (fresh) process."""
+    builtin, ours, _, arrays, _ = _load_pair(path, imports, inputs, seed, which=which)
+    model = ours if which == "ours" else builtin
+    from keras_mha import user_model
+
+    feed = user_model.model_inputs(model, arrays)
+    _compile_for_timing(model)
+    targets = _targets(model.predict_on_batch(feed))
+    model.train_on_batch(feed, targets)
+    return _peak_mib()
+
+
+def _load_pair(path, imports, inputs, seed, which=None):
+    """`(builtin, ours, rows, arrays, specs)`: the file loaded as it is and swapped (only
+    `which` of the two when given, the other `None`), the swap report (`None` unless
+    both are loaded) and the input arrays."""
+    from keras_mha import swapping, user_model
+
+    user_model.import_modules(imports)
+    builtin = None if which == "ours" else user_model.load(path)
+    ours = None if which == "builtin" else user_model.load(path, swapped=True)
+    model = builtin if builtin is not None else ours
+    specs = user_model.input_specs(model, path, required=inputs is None)
+    if inputs is None:
+        arrays = user_model.synthesize(specs, path, seed)
+    else:
+        arrays = user_model.read(inputs, specs)
+        if specs is None:
+            specs = [(f"input_{i}", a.shape, str(a.dtype)) for i, a in enumerate(arrays)]
+    rows = None
+    if builtin is not None and ours is not None:
+        rows = swapping.swap_report(builtin, ours)
+        if not any(row["status"] in (swapping.SWAPPED, swapping.REBUILT) for row in rows):
+            raise user_model.UsageError(
+                f"{path}: no keras.layers.MultiHeadAttention to swap ({swapping.describe(rows)})"
+            )
+    return builtin, ours, rows, arrays, specs
+
+
+def _describe(rows):
+    from keras_mha import swapping
+
+    return swapping.describe(rows)
+
+
+def _perturb(model, scale, rng):
+    model.set_weights(
+        [w + scale * rng.standard_normal(w.shape).astype(w.dtype) for w in model.get_weights()]
+    )
+
+
+def _flat_outputs(outputs):
+    import keras
+
+    return [np.asarray(o) for o in keras.tree.flatten(outputs)]
+
+
+def _weight_gradients(model, inputs, cotangents):
+    """Gradients of `sum_i sum(output_i * cotangent_i)` (float outputs, inference mode)
+    with respect to the model's trainable weights, in their order, as NumPy."""
+    import keras
+    from keras import ops
+
+    def loss_of(outputs):
+        terms = [
+            ops.sum(ops.multiply(ops.cast(o, "float32"), ops.convert_to_tensor(c)))
+            for o, c in zip(keras.tree.flatten(outputs), cotangents)
+            if "float" in str(o.dtype)
+        ]
+        return sum(terms[1:], terms[0])
+
+    variables = model.trainable_variables
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_of(model(inputs, training=False))
+        grads = tape.gradient(loss, [v.value for v in variables])
+        # An embedding's gradient is `IndexedSlices`: made dense here.
+        return [
+            np.zeros(v.shape, "float32") if g is None else tf.convert_to_tensor(g).numpy()
+            for v, g in zip(variables, grads)
+        ]
+    if backend == "jax":
+        import jax
+
+        non_trainable = [v.value for v in model.non_trainable_variables]
+
+        def objective(trainable):
+            outputs, _ = model.stateless_call(trainable, non_trainable, inputs, training=False)
+            return loss_of(outputs)
+
+        grads = jax.grad(objective)([v.value for v in variables])
+        return [np.asarray(g) for g in grads]
+    if backend == "torch":
+        for v in variables:
+            v.value.grad = None
+        loss_of(model(inputs, training=False)).backward()
+        grads = [
+            np.zeros(v.shape, "float32")
+            if v.value.grad is None
+            else v.value.grad.detach().cpu().numpy()
+            for v in variables
+        ]
+        for v in variables:
+            v.value.grad = None
+        return grads
+    raise ValueError(
+        "Received an invalid value for argument `backend`, expected one of "
+        f"{BACKENDS}. Received: backend={backend}"
+    )
+
+
+def _compile_for_timing(model):
+    import keras
+
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+
+
+def _targets(outputs):
+    import keras
+
+    return keras.tree.map_structure(lambda o: np.zeros(np.shape(o), "float32"), outputs)
+
+
+def _time_user_models(record, ours, builtin, feed, repeats):
+    models = {"ours": ours, "builtin": builtin}
+    for model in models.values():
+        _compile_for_timing(model)
+    targets = _targets(builtin.predict_on_batch(feed))
+    steps = {
+        "predict": lambda m: m.predict_on_batch(feed),
+        "train": lambda m: m.train_on_batch(feed, targets),
+    }
+    _time_steps(record, models, steps, repeats)
+
+
+def _peak_mib():
+    """The GPU's peak allocation where the backend has a GPU, else the peak RSS."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**20
+    elif backend == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        if device.platform == "gpu":
+            return device.memory_stats()["peak_bytes_in_use"] / 2**20
+    else:
+        import tensorflow as tf
+
+        if tf.config.list_physical_devices("GPU"):
+            return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 # ---------------------------------------------------------------- across backends
 def run_backend(
     backend, cases=DEFAULT_CASES, quick=False, repeats=None, perturb=0.0, on_record=None
@@ -461,49 +760,16 @@ def run_backend(
         A list of records (see `RECORD_KEYS`). A child that dies is reported as one
         record per missing case with `ours_error` set and `passed=False`.
     """
-    if backend not in BACKENDS:
-        raise ValueError(
-            "Received an invalid value for argument `backend`, expected one of "
-            f"{BACKENDS}. Received: backend={backend}"
-        )
+    _check_backend(backend)
     cases = tuple(cases)
-    with tempfile.TemporaryDirectory(prefix="keras-mha-compare-") as tmp:
-        spec = os.path.join(tmp, "spec.json")
-        with open(spec, "w") as f:
-            json.dump(
-                {
-                    "cases": [case.to_dict() for case in cases],
-                    "quick": quick,
-                    "repeats": repeats,
-                    "perturb": perturb,
-                },
-                f,
-            )
-        env = {
-            **os.environ,
-            "KERAS_BACKEND": backend,
-            "TF_CPP_MIN_LOG_LEVEL": "3",
-            "PYTHONWARNINGS": "ignore",
-        }
-        log_path = os.path.join(tmp, "stderr.log")
-        records = []
-        with open(log_path, "w") as log:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "keras_mha.compare", spec],
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=env,
-                text=True,
-            )
-            for line in child.stdout:
-                if line.startswith(_RECORD_PREFIX):
-                    record = json.loads(line[len(_RECORD_PREFIX) :])
-                    records.append(record)
-                    if on_record is not None:
-                        on_record(record)
-            code = child.wait()
-        with open(log_path) as log:
-            tail = log.read().strip().splitlines()[-1:]
+    spec = {
+        "job": "cases",
+        "cases": [case.to_dict() for case in cases],
+        "quick": quick,
+        "repeats": repeats,
+        "perturb": perturb,
+    }
+    records, code, tail = _spawn(backend, spec, on_record)
     done = {record["case"] for record in records}
     for case in cases:
         if case.name in done:
@@ -544,6 +810,124 @@ def run(backends="all", cases=DEFAULT_CASES, quick=False, repeats=None, on_recor
     return records
 
 
+def run_model_backend(
+    backend, path, imports=(), inputs=None, repeats=None, memory=True, perturb=0.0, on_record=None
+):
+    """`compare_model` in a child process on `backend`, then (with `memory`) the peak
+    memory of each model, each in a fresh child process; returns `[record]`.
+
+    Raises:
+        user_model.UsageError: The child found the file, a module or the inputs unusable.
+    """
+    _check_backend(backend)
+    job = {"path": os.path.abspath(path), "imports": list(imports), "seed": 0}
+    job["inputs"] = None if inputs is None else os.path.abspath(inputs)
+    records, code, tail = _spawn(
+        backend, {"job": "model", **job, "repeats": repeats, "perturb": perturb}
+    )
+    if not records:
+        record = dict.fromkeys(RECORD_KEYS)
+        why = tail[0] if tail else f"exit status {code}"
+        record.update(
+            backend=backend,
+            case=os.path.basename(path),
+            tolerance=ATOL,
+            ours_error=f"worker process failed: {why}"[:300],
+            passed=False,
+        )
+        records = [record]
+    record = records[0]
+    if memory and record["ours_error"] is None:
+        for which in ("builtin", "ours"):
+            found, _, tail = _spawn(backend, {"job": "memory", "which": which, **job})
+            if found:
+                record[f"{which}_peak_mib"] = found[0]["peak_mib"]
+            elif which == "ours":
+                record["ours_error"] = f"memory run failed: {tail[0] if tail else ''}"[:300]
+                record["passed"] = False
+            else:
+                record["builtin_error"] = f"memory run failed: {tail[0] if tail else ''}"[:300]
+        if record["ours_peak_mib"] and record["builtin_peak_mib"]:
+            record["peak_ratio"] = record["ours_peak_mib"] / record["builtin_peak_mib"]
+    if on_record is not None:
+        on_record(record)
+    return [record]
+
+
+def run_swap(backend, in_path, out_path, imports=(), inputs=None, perturb=0.0):
+    """`swap_file` in a child process on `backend`; returns its result dict.
+
+    Raises:
+        user_model.UsageError: The files, a module or the inputs cannot be used.
+        RuntimeError: The child failed otherwise (its last line of stderr).
+    """
+    _check_backend(backend)
+    spec = {
+        "job": "swap",
+        "in_path": os.path.abspath(in_path),
+        "out_path": os.path.abspath(out_path),
+        "imports": list(imports),
+        "inputs": None if inputs is None else os.path.abspath(inputs),
+        "perturb": perturb,
+    }
+    results, code, tail = _spawn(backend, spec)
+    if not results:
+        raise RuntimeError(f"the {backend} worker failed: {tail[0] if tail else code}")
+    return results[0]
+
+
+def _check_backend(backend):
+    if backend not in BACKENDS:
+        raise ValueError(
+            "Received an invalid value for argument `backend`, expected one of "
+            f"{BACKENDS}. Received: backend={backend}"
+        )
+
+
+def _spawn(backend, spec, on_record=None):
+    """Runs `python -m keras_mha.compare SPEC` with `KERAS_BACKEND=backend`.
+
+    Returns `(records, exit status, [last line of stderr])`. A usage error reported by
+    the child is raised here as `user_model.UsageError`.
+    """
+    from keras_mha.user_model import UsageError
+
+    with tempfile.TemporaryDirectory(prefix="keras-mha-compare-") as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = {
+            **os.environ,
+            "KERAS_BACKEND": backend,
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "PYTHONWARNINGS": "ignore",
+        }
+        log_path = os.path.join(tmp, "stderr.log")
+        records, usage_error = [], None
+        with open(log_path, "w") as log:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "keras_mha.compare", spec_path],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                text=True,
+            )
+            for line in child.stdout:
+                if line.startswith(_RECORD_PREFIX):
+                    record = json.loads(line[len(_RECORD_PREFIX) :])
+                    records.append(record)
+                    if on_record is not None:
+                        on_record(record)
+                elif line.startswith(_USAGE_PREFIX):
+                    usage_error = line[len(_USAGE_PREFIX) :].strip()
+            code = child.wait()
+        with open(log_path) as log:
+            tail = log.read().strip().splitlines()[-1:]
+    if usage_error is not None:
+        raise UsageError(usage_error)
+    return records, code, tail
+
+
 def summary(records):
     """Per backend: `{"cases", "passed", "failed", "builtin_failed", "passed_all"}`."""
     result = {}
@@ -560,12 +944,42 @@ def summary(records):
 
 
 _RECORD_PREFIX = "@@keras-mha-record "
+_USAGE_PREFIX = "@@keras-mha-usage-error "
 
 
 def _worker(spec_path):
-    """Child process entry: runs the cases of a spec file, one record per stdout line."""
+    """Child process entry: runs the job of a spec file, one record per stdout line
+    (a usage error: one line with its message, exit status 2)."""
     with open(spec_path) as f:
         spec = json.load(f)
+    job = spec.get("job", "cases")
+    if job == "cases":
+        return _cases_worker(spec)
+    from keras_mha.user_model import UsageError
+
+    try:
+        if job == "model":
+            result = compare_model(
+                spec["path"], spec["imports"], spec["inputs"], spec["repeats"], spec["perturb"]
+            )
+        elif job == "swap":
+            result = swap_file(
+                spec["in_path"],
+                spec["out_path"],
+                spec["imports"],
+                spec["inputs"],
+                perturb=spec["perturb"],
+            )
+        else:
+            peak = peak_memory(spec["path"], spec["which"], spec["imports"], spec["inputs"])
+            result = {"peak_mib": peak}
+    except UsageError as error:
+        print(_USAGE_PREFIX + str(error).replace("\n", " "), flush=True)
+        sys.exit(2)
+    print(_RECORD_PREFIX + json.dumps(result), flush=True)
+
+
+def _cases_worker(spec):
     cases = [Case.from_dict(data) for data in spec["cases"]]
     for case in cases:
         try:

@@ -1,7 +1,8 @@
-"""Runs the pytest suite once per Keras backend, each in its own process, then the
-inference-only backends' suite (numpy, openvino: tests/test_inference_backends.py),
-then the notebooks. Prints one summary line per run and fails when any run fails, its
-backend is not installed, or it ran no test: no backend is ever skipped silently.
+"""Runs the pytest suite once per Keras backend, each in its own process; the tests
+marked `once` (they cover every backend in subprocesses, or need none) in one run; the
+inference-only backends' suite (numpy, openvino: tests/test_inference_backends.py); then
+the notebooks. Prints one summary line per run and fails when any run fails, its backend
+is not installed, or it ran no test: no backend is ever skipped silently.
 
     python tests/run_backends.py --backends tensorflow jax torch \
         --inference-backends numpy openvino --notebook-backend jax
@@ -78,7 +79,9 @@ def main():
 
     all_ok = True
     totals = {"passed": 0, "failed": 0, "skipped": 0}
-    runs = [(b, b, ["-m", "not notebook", *extra]) for b in args.backends]
+    runs = [(b, b, ["-m", "not notebook and not once", *extra]) for b in args.backends]
+    if args.backends:  # tests that cover every backend themselves, or need none
+        runs.append((f"once[{args.backends[0]}]", args.backends[0], ["-m", "once", *extra]))
     runs += [
         (f"inference[{b}]", b, ["tests/test_inference_backends.py"])
         for b in args.inference_backends

@@ -1,0 +1,171 @@
+"""Models on `keras.layers.MultiHeadAttention`, as users write them (keras.io's text
+classification with a Transformer), for the swap tests and the CLI's `--import`.
+
+    KERAS_BACKEND=jax python tests/swap_models.py save OUT.keras   # the classifier
+    KERAS_BACKEND=torch python tests/swap_models.py check A.keras B.keras ...
+"""
+
+import sys
+
+import keras
+import numpy as np
+from keras import layers
+
+PACKAGE = "swap_models"
+VOCAB, MAXLEN, EMBED, HEADS, FF = 20, 8, 16, 2, 16
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class TransformerBlock(layers.Layer):
+    """keras.io's block: the built-in attention is created in `__init__`."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True  # padding stays masked down to the pooling
+        self.embed_dim, self.num_heads, self.ff_dim, self.rate = embed_dim, num_heads, ff_dim, rate
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential(
+            [layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)]
+        )
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs, training=False):
+        attn_output = self.att(inputs, inputs)
+        attn_output = self.dropout1(attn_output, training=training)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.ffn(out1)
+        ffn_output = self.dropout2(ffn_output, training=training)
+        return self.layernorm2(out1 + ffn_output)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            embed_dim=self.embed_dim, num_heads=self.num_heads, ff_dim=self.ff_dim, rate=self.rate
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class Encoder(layers.Layer):
+    """Two levels down: a layer holding a list of blocks."""
+
+    def __init__(self, depth=2, **kwargs):
+        super().__init__(**kwargs)
+        self.depth = depth
+        self.blocks = [TransformerBlock(EMBED, HEADS, FF) for _ in range(depth)]
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def get_config(self):
+        return {**super().get_config(), "depth": self.depth}
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class CachedAttention(layers.MultiHeadAttention):
+    """keras-hub's `CachedMultiHeadAttention` pattern: its own `call` over the
+    documented protected surface (projections and `_compute_attention`)."""
+
+    def call(self, query, value, key=None, attention_mask=None, training=None):
+        key = value if key is None else key
+        query = self._query_dense(query)
+        key, value = self._key_dense(key), self._value_dense(value)
+        output, _ = self._compute_attention(
+            query=query, key=key, value=value, attention_mask=attention_mask, training=training
+        )
+        return self._output_dense(output)
+
+    def get_config(self):
+        return super().get_config()  # zero-argument super(): rebound when rebuilt
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class SoftmaxHookAttention(layers.MultiHeadAttention):
+    """Overrides a built-in internal that ours does not call: cannot be rebuilt."""
+
+    def _build_attention(self, rank):
+        super()._build_attention(rank)
+        self.softmax_axes = self._softmax.axis
+
+
+def build_subclassed(seed=0):
+    """One eligible subclass (rebuilt on ours), one that is not (left alone)."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((MAXLEN, EMBED), name="features")
+    causal = np.tril(np.ones((1, MAXLEN, MAXLEN), bool))
+    y = CachedAttention(2, 8, name="cached")(x, x, attention_mask=causal)
+    y = SoftmaxHookAttention(2, 8, name="hooked")(y, y)
+    return keras.Model(x, y, name="subclassed")
+
+
+def build_classifier(seed=0):
+    """Embedding(mask_zero=True) -> TransformerBlock (built-in inside) -> a top-level
+    built-in attention with a causal mask -> pooling -> Dense."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((MAXLEN,), dtype="int32", name="tokens")
+    x = layers.Embedding(VOCAB, EMBED, mask_zero=True)(tokens)
+    x = TransformerBlock(EMBED, HEADS, FF, name="block")(x)
+    x = layers.MultiHeadAttention(2, 8, name="causal_attention")(x, x, use_causal_mask=True)
+    x = layers.GlobalAveragePooling1D()(x)
+    outputs = layers.Dense(3, activation="softmax", name="classes")(x)
+    model = keras.Model(tokens, outputs, name="classifier")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def build_deep(seed=0):
+    """Attention two user layers down, in a list: Encoder -> blocks[i] -> att."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((MAXLEN, EMBED), name="features")
+    return keras.Model(x, layers.Dense(2)(Encoder(name="encoder")(x)), name="deep")
+
+
+def build_plain(seed=0):
+    """No attention at all."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((4,), name="x")
+    return keras.Model(x, layers.Dense(2)(x), name="plain")
+
+
+def check(paths):
+    """For each file: compare it with its swapped copy here (outputs and weight
+    gradients) and swap it to a file that must load swapped with `safe_mode=True`."""
+    import json
+    import os
+
+    import keras_mha
+    from keras_mha import compare
+
+    results = {}
+    for path in paths:
+        record = compare.compare_model(path, [], repeats=0)
+        out = os.path.splitext(path)[0] + f"-swapped-{keras.backend.backend()}.keras"
+        swap = compare.swap_file(path, out)
+        loaded = keras.saving.load_model(out, safe_mode=True)
+        results[path] = {
+            "backend": keras.backend.backend(),
+            "passed": record["passed"],
+            "max_abs_diff": record["max_abs_diff"],
+            "grad_max_abs_diff": record["grad_max_abs_diff"],
+            "swap_passed": swap["passed"],
+            "loaded": [
+                type(loaded.get_layer("block").att).__module__,
+                type(loaded.get_layer("causal_attention")).__module__,
+            ],
+            "same_class": type(loaded.get_layer("block").att) is keras_mha.MultiHeadAttention,
+        }
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "check":
+        check(sys.argv[2:])
+        sys.exit(0)
+    if len(sys.argv) != 3 or sys.argv[1] != "save":
+        sys.exit(f"usage: KERAS_BACKEND=... {sys.argv[0]} save OUT.keras | check FILE ...")
+    build_classifier().save(sys.argv[2])

@@ -1,0 +1,169 @@
+"""`keras-mha swap` and `keras-mha compare --model` end to end: the command line in a
+subprocess, its worker in another, on the current backend. Exit-status plumbing that
+is the same on every backend is marked `once` (make test runs it in one backend's run).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import pytest
+import swap_models
+
+import keras_mha
+from keras_mha import cli
+
+BACKEND = keras.backend.backend()
+ROOT = Path(__file__).resolve().parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(*args, cwd=ROOT):
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env.pop("KERAS_BACKEND", None)  # the command line picks and sets it per child
+    command = [sys.executable, "-m", "keras_mha", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli_models")
+    paths = {"classifier": folder / "classifier.keras", "plain": folder / "plain.keras"}
+    swap_models.build_classifier().save(paths["classifier"])
+    swap_models.build_plain().save(paths["plain"])
+    return paths
+
+
+def test_swap_command_writes_a_file_that_loads_swapped(saved, tmp_path):
+    out = tmp_path / "swapped.keras"
+    done = _run("swap", saved["classifier"], out, "--import", "swap_models", "--backend", BACKEND)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for text in ("block/att", "causal_attention", "keras_mha.MultiHeadAttention", "PASS"):
+        assert text in done.stdout
+    assert "num_heads=2, key_dim=16" in done.stdout
+    assert f"on tokens (2, 8) ({BACKEND})" in done.stdout
+
+    loaded = keras.saving.load_model(out, safe_mode=True)
+    assert type(loaded.get_layer("block").att) is keras_mha.MultiHeadAttention
+    assert type(loaded.get_layer("causal_attention")) is keras_mha.MultiHeadAttention
+
+
+def test_compare_model_writes_table_json_and_png(saved, tmp_path):
+    json_path, png_path = tmp_path / "model.json", tmp_path / "model.png"
+    done = _run(
+        "compare",
+        "--model",
+        saved["classifier"],
+        "--import",
+        "swap_models",
+        "--backend",
+        BACKEND,
+        "--repeats",
+        "1",
+        "--json",
+        json_path,
+        "--plot",
+        png_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{BACKEND}: PASS" in done.stdout and "block/att" in done.stdout
+    (record,) = json.loads(json_path.read_text())
+    assert record["backend"] == BACKEND and record["case"] == "classifier"
+    assert record["passed"] is True and record["max_abs_diff"] <= 1e-4
+    for key in ("ours_predict_ms", "builtin_predict_ms", "ours_train_ms", "builtin_train_ms"):
+        assert record[key] > 0
+    assert record["ours_peak_mib"] > 10 and record["builtin_peak_mib"] > 10
+    assert record["peak_ratio"] == pytest.approx(
+        record["ours_peak_mib"] / record["builtin_peak_mib"]
+    )
+    assert png_path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.mark.once
+def test_worker_usage_errors_exit_2_with_one_line_and_nothing_written(saved, tmp_path):
+    out, json_path = tmp_path / "out.keras", tmp_path / "r.json"
+    done = _run("swap", saved["plain"], out, "--backend", BACKEND)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"keras-mha swap: error: {saved['plain']}: no keras.layers.MultiHeadAttention to "
+        "swap (no attention layer)"
+    ]
+    assert not out.exists()
+
+    done = _run(
+        "compare", "--model", saved["classifier"], "--backend", BACKEND, "--json", json_path
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"keras-mha compare: error: {saved['classifier']}: cannot load")
+    assert "'TransformerBlock' is not registered" in line and "--import" in line
+    assert not json_path.exists()
+
+
+@pytest.mark.once
+def test_planted_mismatch_exits_1(saved, tmp_path):
+    out = tmp_path / "out.keras"
+    args = ("--import", "swap_models", "--backend", BACKEND, "--perturb", "0.05")
+    done = _run("swap", saved["classifier"], out, *args)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["swap", "nope.keras", "out.keras"], "keras-mha swap: error: nope.keras: no such file"),
+        (
+            ["compare", "--model", "nope.keras"],
+            "keras-mha compare: error: nope.keras: no such file",
+        ),
+        (
+            ["compare", "--model", __file__, "--inputs", "none.npz"],
+            "keras-mha compare: error: none.npz: no such file",
+        ),
+        (
+            ["compare", "--model", __file__, "--json", "/no/such/dir/r.json"],
+            "keras-mha compare: error: /no/such/dir/r.json: no such folder",
+        ),
+    ],
+    ids=["swap_missing", "model_missing", "inputs_missing", "json_folder"],
+)
+def test_usage_errors_found_before_any_worker(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == message
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare", "--model", "m.keras", "--cases", "causal"], "--cases and --quick go with"),
+        (["compare", "--import", "x"], "--import, --inputs and --no-memory go with --model"),
+        (["swap", "in.keras"], "the following arguments are required: OUT.keras"),
+    ],
+)
+def test_argument_errors_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.once
+@pytest.mark.slow
+def test_notebook_script_runs_top_to_bottom():
+    # notebooks/06_move_your_model.py (jupytext percent format), as a plain script.
+    import importlib.util
+
+    backend = next(b for b in ("jax", "torch", "tensorflow") if importlib.util.find_spec(b))
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": str(ROOT)}
+    env["PYTHONWARNINGS"] = "ignore"
+    script = ROOT / "notebooks" / "06_move_your_model.py"
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "largest output difference" in done.stdout
+    assert done.stdout.count("exit status: 0") == 2 and "exit status: 2" in done.stdout

@@ -1,0 +1,122 @@
+"""`compare.compare_model` and `compare.swap_file` (what `keras-mha compare --model` and
+`keras-mha swap` run in each backend's process), here in this process."""
+
+import keras
+import numpy as np
+import pytest
+import swap_models
+
+import keras_mha
+from keras_mha import compare, swapping
+from keras_mha.user_model import UsageError
+
+IMPORTS = ["swap_models"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models")
+    paths = {}
+    for name, build in (
+        ("classifier", swap_models.build_classifier),
+        ("plain", swap_models.build_plain),
+    ):
+        paths[name] = str(folder / f"{name}.keras")
+        build().save(paths[name])
+    return paths
+
+
+def test_model_matches_its_swapped_copy_in_outputs_and_weight_gradients(saved):
+    record = compare.compare_model(saved["classifier"], IMPORTS, repeats=1)
+    assert set(compare.RECORD_KEYS) <= set(record)
+    assert record["backend"] == keras.backend.backend()
+    assert record["case"] == "classifier"
+    assert record["ours_error"] is None and record["builtin_error"] is None
+    assert record["max_abs_diff"] <= 1e-4
+    assert record["grad_scale"] > 0
+    assert record["grad_max_abs_diff"] <= 1e-4 * max(1.0, record["grad_scale"])
+    assert record["passed"] is True
+    assert record["inputs"] == {"tokens": [2, swap_models.MAXLEN]}
+    assert [row["path"] for row in record["layers"]] == ["block/att", "causal_attention"]
+    for key in ("ours_predict_ms", "builtin_predict_ms", "ours_train_ms", "builtin_train_ms"):
+        assert record[key] > 0
+    assert record["train_ratio"] == pytest.approx(
+        record["ours_train_ms"] / record["builtin_train_ms"]
+    )
+
+
+def test_perturbed_swap_is_caught_in_outputs_and_gradients(saved):
+    record = compare.compare_model(saved["classifier"], IMPORTS, repeats=0, perturb=0.05)
+    assert record["max_abs_diff"] > 1e-4
+    assert record["grad_max_abs_diff"] > 1e-4 * max(1.0, record["grad_scale"])
+    assert record["passed"] is False
+    assert record["ours_predict_ms"] is None
+
+
+def test_padded_inputs_from_a_file_compare_equal(saved, tmp_path):
+    tokens = np.array([[3, 4, 5, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8]], "int32")
+    path = str(tmp_path / "inputs.npz")
+    np.savez(path, tokens=tokens)
+    record = compare.compare_model(saved["classifier"], IMPORTS, inputs=path, repeats=0)
+    assert record["inputs"] == {"tokens": [2, 8]}
+    assert record["passed"] is True and record["max_abs_diff"] <= 1e-4
+
+
+def test_swap_file_writes_a_file_that_loads_swapped(saved, tmp_path):
+    out = str(tmp_path / "out.keras")
+    result = compare.swap_file(saved["classifier"], out, IMPORTS)
+    assert result["passed"] is True and result["max_abs_diff"] <= 1e-4
+    assert [row["status"] for row in result["layers"]] == [swapping.SWAPPED] * 2
+    loaded = keras.saving.load_model(out, safe_mode=True)
+    assert type(loaded.get_layer("block").att) is keras_mha.MultiHeadAttention
+
+
+def test_swap_file_reports_a_difference_above_tolerance(saved, tmp_path):
+    result = compare.swap_file(saved["classifier"], str(tmp_path / "o.keras"), perturb=0.05)
+    assert result["passed"] is False and result["max_abs_diff"] > 1e-4
+
+
+def _not_keras(tmp_path, saved):
+    path = tmp_path / "notes.keras"
+    path.write_text("hello")
+    return str(path), [], None, r"notes.keras: not a .keras model file$"
+
+
+def _no_attention(tmp_path, saved):
+    message = r"plain.keras: no keras.layers.MultiHeadAttention to swap \(no attention layer\)$"
+    return saved["plain"], [], None, message
+
+
+def _missing_module(tmp_path, saved):
+    return saved["classifier"], ["swap_models_gone"], None, r"^--import swap_models_gone: "
+
+
+def _bad_inputs(tmp_path, saved):
+    path = tmp_path / "inputs.npz"
+    np.savez(path, words=np.ones((2, 8), "int32"))
+    return saved["classifier"], [], str(path), r"inputs.npz: no array for input 'tokens'"
+
+
+@pytest.mark.parametrize(
+    "case", [_not_keras, _no_attention, _missing_module, _bad_inputs], ids=lambda c: c.__name__
+)
+def test_usage_errors_name_the_culprit_and_write_nothing(case, saved, tmp_path):
+    model_path, imports, inputs, message = case(tmp_path, saved)
+    out = tmp_path / "out.keras"
+    with pytest.raises(UsageError, match=message) as raised:
+        compare.swap_file(model_path, str(out), imports, inputs)
+    assert "\n" not in str(raised.value)
+    assert not out.exists()
+    with pytest.raises(UsageError, match=message):
+        compare.compare_model(model_path, imports, inputs, repeats=0)
+
+
+def test_swap_file_refuses_an_output_that_is_not_keras(saved, tmp_path):
+    with pytest.raises(UsageError, match=r"out.h5: the output file must end in .keras"):
+        compare.swap_file(saved["classifier"], str(tmp_path / "out.h5"))
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_peak_memory_is_measured_for_each_side(saved):
+    for which in ("builtin", "ours"):
+        assert compare.peak_memory(saved["classifier"], which, IMPORTS) > 10

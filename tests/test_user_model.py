@@ -1,0 +1,125 @@
+"""`keras_mha.user_model`: the user's inputs, synthesised or read from a `.npz` file,
+and one-line errors naming what does not fit."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_mha import user_model
+from keras_mha.user_model import UsageError
+
+SPECS = [("tokens", (None, 8), "int32"), ("context", (None, None, 4), "float32")]
+
+
+def test_synthesized_inputs_follow_the_specs():
+    tokens, context = user_model.synthesize(SPECS, "m.keras", seed=0)
+    assert tokens.shape == (user_model.BATCH, 8) and tokens.dtype == np.int32
+    assert tokens.min() >= 1 and tokens.max() < 10
+    assert context.shape == (user_model.BATCH, user_model.LENGTH, 4)
+    assert context.dtype == np.float32 and abs(float(context.mean())) < 0.5
+    again = user_model.synthesize(SPECS, "m.keras", seed=0)
+    np.testing.assert_array_equal(again[1], context)
+
+
+def test_synthesize_refuses_a_dtype_it_cannot_make():
+    with pytest.raises(UsageError, match=r"m.keras: cannot synthesize input 'text' of dtype"):
+        user_model.synthesize([("text", (None,), "string")], "m.keras")
+
+
+def _npz(tmp_path, *args, **kwargs):
+    path = tmp_path / "inputs.npz"
+    np.savez(path, *args, **kwargs)
+    return str(path)
+
+
+def test_inputs_are_matched_by_name_or_by_order(tmp_path):
+    tokens = np.ones((3, 8), "int64")
+    context = np.zeros((3, 5, 4), "float64")
+    by_name = user_model.read(_npz(tmp_path, context=context, tokens=tokens), SPECS)
+    assert [a.shape for a in by_name] == [(3, 8), (3, 5, 4)]
+    assert by_name[1].dtype == np.float32
+    by_order = user_model.read(_npz(tmp_path, tokens, context), SPECS)
+    np.testing.assert_array_equal(by_order[0], tokens)
+
+
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        (
+            {"tokens": np.ones((2, 8), "int32"), "ctx": np.zeros((2, 5, 4), "float32")},
+            r"no array for input 'context' \(arrays: tokens, ctx; inputs: tokens, context\)",
+        ),
+        (
+            {"tokens": np.ones((2, 7), "int32"), "context": np.zeros((2, 5, 4), "float32")},
+            r"input 'tokens' expects shape \(None, 8\) of int32, got shape \(2, 7\) of int32",
+        ),
+        (
+            {"tokens": np.ones((2, 8), "float32"), "context": np.zeros((2, 5, 4), "float32")},
+            r"input 'tokens' expects shape \(None, 8\) of int32, got shape \(2, 8\) of float32",
+        ),
+        (
+            {"tokens": np.ones((2, 8), "int32"), "context": np.zeros((3, 5, 4), "float32")},
+            r"input 'context' has batch size 3, the others 2",
+        ),
+        (
+            {"arr_0": np.ones((2, 8), "int32")},
+            r"holds 1 arrays, the model takes 2 inputs \(tokens, context\)",
+        ),
+    ],
+    ids=["unknown_name", "wrong_length", "wrong_dtype", "batch_mismatch", "too_few"],
+)
+def test_mismatched_inputs_are_one_line_errors_naming_the_file_and_input(tmp_path, arrays, message):
+    path = _npz(tmp_path, **arrays)
+    with pytest.raises(UsageError, match=message) as raised:
+        user_model.read(path, SPECS)
+    assert str(raised.value).startswith(path + ": ")
+    assert "\n" not in str(raised.value)
+
+
+def test_a_file_that_is_not_npz_is_named(tmp_path):
+    path = tmp_path / "inputs.npz"
+    path.write_text("not numpy")
+    with pytest.raises(UsageError, match=r"inputs.npz: not a NumPy .npz file"):
+        user_model.read(str(path), SPECS)
+
+
+def test_loading_names_the_file(tmp_path):
+    with pytest.raises(UsageError, match=r"nope.keras: no such file"):
+        user_model.load(str(tmp_path / "nope.keras"))
+    bad = tmp_path / "bad.keras"
+    bad.write_text("not a zip")
+    with pytest.raises(UsageError, match=r"bad.keras: not a .keras model file"):
+        user_model.load(str(bad))
+
+
+def test_an_unimportable_module_is_named():
+    with pytest.raises(UsageError, match=r"--import no_such_module_here: cannot import it: "):
+        user_model.import_modules(["no_such_module_here"])
+
+
+class Unregistered(keras.layers.Layer):
+    def call(self, x):
+        return x
+
+
+def test_an_unregistered_custom_layer_is_named_with_the_fix(tmp_path):
+    x = keras.Input((3,))
+    path = str(tmp_path / "custom.keras")
+    keras.Model(x, Unregistered()(x)).save(path)
+    with pytest.raises(UsageError) as raised:
+        user_model.load(path)
+    message = str(raised.value)
+    assert message == (
+        f"{path}: cannot load the model: 'Unregistered' is not registered with Keras "
+        "(import the module that registers it with --import MODULE)"
+    )
+
+
+def test_model_inputs_follow_the_models_structure():
+    a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
+    model = keras.Model({"a": a, "b": b}, keras.layers.Concatenate()([a, b]))
+    arrays = [np.ones((1, 2)), np.ones((1, 3))]
+    fed = user_model.model_inputs(model, arrays)
+    assert isinstance(fed, dict) and fed["b"].shape == (1, 3)
+    single = keras.Model(a, a)
+    assert user_model.model_inputs(single, arrays[:1]) is arrays[0]
