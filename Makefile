@@ -39,7 +39,7 @@ notebooks: $(STAMP)
 
 # The documentation site, from mkdocs.yml into site/; --strict fails on any broken reference.
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -77,4 +77,4 @@ gpu:
 	@cat $(GPU_OUT)/gpu-$$(date +%F).md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .test-logs *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .test-logs *.egg-info site .cache
