@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BACKENDS ?= tensorflow jax torch
 NOTEBOOK_BACKEND ?= jax
 
-.PHONY: install demo test test-backends test-notebooks lint format bench gpu clean
+.PHONY: install demo test test-backends test-notebooks notebooks docs lint format bench gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,20 @@ test-backends: $(STAMP)
 
 test-notebooks: $(STAMP)
 	$(BIN)/python tests/run_backends.py --backends --inference-backends --notebook-backend $(NOTEBOOK_BACKEND)
+
+# The notebooks' sources are notebooks/*.py (jupytext percent format). This writes each
+# paired .ipynb from its source (keeping the outputs of unchanged cells), then runs them all
+# top to bottom on $(NOTEBOOK_BACKEND), outputs stored in place.
+NOTEBOOK_SOURCES = $(wildcard notebooks/*.py)
+notebooks: $(STAMP)
+	$(BIN)/jupytext --to ipynb --update $(NOTEBOOK_SOURCES)
+	KERAS_BACKEND=$(NOTEBOOK_BACKEND) TF_CPP_MIN_LOG_LEVEL=3 PYTHONPATH=$(CURDIR) $(BIN)/jupyter nbconvert \
+	  --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 \
+	  --ExecutePreprocessor.record_timing=False $(NOTEBOOK_SOURCES:.py=.ipynb)
+
+# The documentation site, from mkdocs.yml into site/; --strict fails on any broken reference.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -63,4 +77,4 @@ gpu:
 	@cat $(GPU_OUT)/gpu-$$(date +%F).md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .test-logs *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .test-logs *.egg-info site .cache

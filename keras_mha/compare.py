@@ -91,8 +91,9 @@ class Case:
             (the query is also value and key).
         layer_kwargs: Constructor arguments of both layers.
         call_kwargs: Call arguments, e.g. `use_causal_mask`, `return_attention_scores`.
-        quick_query_shape, quick_value_shape: The small variant used by `--quick`
-            (`None` keeps the full shape).
+        quick_query_shape: The small query shape used by `--quick` (`None` keeps
+            the full shape).
+        quick_value_shape: The small value shape used by `--quick`.
         description: One line for tables and plots.
     """
 
@@ -796,7 +797,9 @@ def run(backends="all", cases=DEFAULT_CASES, quick=False, repeats=None, on_recor
 
     Args:
         backends: "all" (every installed backend), one name, or a list of names.
-        cases, quick, repeats, on_record, **kw: As for `run_backend`.
+
+    The other arguments (`cases`, `quick`, `repeats`, `on_record`, `**kw`) are those of
+    `run_backend`.
     """
     if backends == "all":
         backends = installed_backends()

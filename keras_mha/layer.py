@@ -68,9 +68,13 @@ class MultiHeadAttention(keras.layers.Layer):
             `s` with `|t - s| < w`. Combine with `use_causal_mask` for a causal window.
         flash_attention: `None` (the Keras default), `True` or `False`; passed to the
             backend's fused kernel when that kernel runs.
-        kernel_initializer, bias_initializer: Initializers of all projections.
-        kernel_regularizer, bias_regularizer, activity_regularizer: Regularizers.
-        kernel_constraint, bias_constraint: Constraints on kernels and biases.
+        kernel_initializer: Initializer of the projections' kernels.
+        bias_initializer: Initializer of the projections' biases.
+        kernel_regularizer: Regularizer of the projections' kernels.
+        bias_regularizer: Regularizer of the projections' biases.
+        activity_regularizer: Regularizer of the projections' outputs.
+        kernel_constraint: Constraint on the projections' kernels.
+        bias_constraint: Constraint on the projections' biases.
         use_gate: Adds a sigmoid gate `sigmoid(query @ Wg + bg)` that multiplies the
             attention output per head before the output projection.
         seed: Seed of the attention dropout.
@@ -100,9 +104,11 @@ class MultiHeadAttention(keras.layers.Layer):
         query: `(B, T, dim)` or, with N-d attention, `(B, ..., dim)`.
         value: `(B, S, dim_v)`, same rank as `query`.
         key: Optional `(B, S, dim_k)`; `None` uses `value`.
-        query_mask, value_mask, key_mask: Optional `(B, T)` / `(B, S)` padding masks.
-            Keras implicit masks (`Embedding(mask_zero=True)`, `Masking`) on the
-            inputs fill them automatically; the query's mask is set on the output.
+        query_mask: Optional `(B, T)` padding mask of the query.
+        value_mask: Optional `(B, S)` padding mask of the value.
+        key_mask: Optional `(B, S)` padding mask of the key. Keras implicit masks
+            (`Embedding(mask_zero=True)`, `Masking`) on the inputs fill these three
+            automatically; the query's mask is set on the output.
         attention_mask: Optional mask broadcastable to the scores as the built-in
             broadcasts it: `(T, S)`, `(B, T, S)` or, per head, `(B, N, T, S)` (for
             N-d attention, missing axes are inserted before the query attention

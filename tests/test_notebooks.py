@@ -1,20 +1,24 @@
-"""The notebooks of notebooks/: executed top to bottom, committed with their outputs.
+"""The notebooks of notebooks/: jupytext sources paired with their executed .ipynb.
 
-`make test` runs this file once, on the backend in `KERAS_BACKEND` (jax by default):
+Each notebook's source is `notebooks/NAME.py` (jupytext percent format); `make notebooks`
+writes `NAME.ipynb` from it and executes it, outputs committed. These tests check that
+every pair is in sync (same cells, same sources), that the committed notebooks were run
+top to bottom without error, and execute every source. `make test` runs this file once,
+on the backend in `KERAS_BACKEND` (jax by default):
 
     KERAS_BACKEND=jax .venv/bin/pytest -m notebook tests/test_notebooks.py
 
-Each notebook runs from a copy in a temporary folder (the committed outputs stay as they
-are) in a kernel started from this interpreter, with a last cell appended that checks
-the kernel's interpreter and Keras backend.
+Each source runs from a temporary folder (the committed notebooks stay as they are) in a
+kernel started from this interpreter, importing `keras_mha` from this checkout, with a
+last cell appended that checks the kernel's interpreter, Keras backend and `keras_mha`.
 """
 
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
+import jupytext
 import keras
 import nbformat
 import pytest
@@ -22,30 +26,68 @@ from nbclient import NotebookClient
 
 pytestmark = pytest.mark.notebook
 
-NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
-NOTEBOOKS = (
-    "01_quickstart",
-    "02_key_dim_and_num_heads",
-    "03_shapes_masks_and_scores",
-    "04_fused_vs_per_head_projections",
-    "05_compare_with_builtin",
-)
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS_DIR = ROOT / "notebooks"
+SOURCES = sorted(NOTEBOOKS_DIR.glob("*.py"))
+NAMES = [source.stem for source in SOURCES]
 CELL_TIMEOUT_S = 600  # generous: the machine may be shared
 KERNEL_NAME = "keras-mha-test-python"
 
 
-def _load_builder():
-    spec = importlib.util.spec_from_file_location(
-        "build_notebooks", NOTEBOOKS_DIR / "build_notebooks.py"
+def _cells(notebook):
+    return [(cell.cell_type, cell.source) for cell in notebook.cells]
+
+
+def pair_difference(source, notebook_path):
+    """Why `notebook_path` (.ipynb) is out of sync with `source` (.py); `None` if it is not."""
+    if not notebook_path.exists():
+        return f"{notebook_path.name} is missing for {source.name}: run `make notebooks`"
+    expected = _cells(jupytext.read(source))
+    committed = _cells(nbformat.read(notebook_path, as_version=4))
+    if expected == committed:
+        return None
+    shorter = min(len(expected), len(committed))
+    index = next((i for i, (a, b) in enumerate(zip(expected, committed)) if a != b), shorter)
+    return (
+        f"{notebook_path.name} differs from its source {source.name} from cell {index} on "
+        f"({len(committed)} cells against {len(expected)}): run `make notebooks`"
     )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+
+def test_there_are_notebook_sources():
+    assert len(SOURCES) >= 5, f"expected the notebooks' .py sources in {NOTEBOOKS_DIR}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_is_in_sync_with_its_source(name):
+    difference = pair_difference(NOTEBOOKS_DIR / f"{name}.py", NOTEBOOKS_DIR / f"{name}.ipynb")
+    assert difference is None, difference
+
+
+def test_every_notebook_has_a_source():
+    orphans = [p.name for p in NOTEBOOKS_DIR.glob("*.ipynb") if p.stem not in NAMES]
+    assert not orphans, f"notebooks without a .py source in {NOTEBOOKS_DIR}: {orphans}"
+
+
+def test_pair_difference_catches_drift(tmp_path):
+    source = tmp_path / "example.py"
+    notebook = tmp_path / "example.ipynb"
+    source.write_text(SOURCES[0].read_text())
+    assert "run `make notebooks`" in pair_difference(source, notebook)  # no .ipynb yet
+    jupytext.write(jupytext.read(source), notebook)
+    assert pair_difference(source, notebook) is None
+    source.write_text(source.read_text() + "\nprint('edited')\n")  # the last cell changes
+    difference = pair_difference(source, notebook)
+    assert difference is not None and "example.ipynb differs" in difference, difference
+    jupytext.write(jupytext.read(source), notebook)
+    source.write_text(source.read_text().replace("\n# %%\n", "\n# %% [markdown]\n", 1))
+    assert pair_difference(source, notebook) is not None  # a cell's type changed
 
 
 @pytest.fixture
 def kernel_from_this_python(tmp_path, monkeypatch):
-    """A kernelspec whose interpreter is `sys.executable`, found through JUPYTER_PATH."""
+    """A kernelspec whose interpreter is `sys.executable`, found through JUPYTER_PATH,
+    importing `keras_mha` from this checkout."""
     spec_dir = tmp_path / "jupyter" / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True)
     spec = {
@@ -56,25 +98,26 @@ def kernel_from_this_python(tmp_path, monkeypatch):
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT)] + ([path] if path else [])))
     return KERNEL_NAME
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_without_error(name, tmp_path, kernel_from_this_python):
-    nb = nbformat.read(NOTEBOOKS_DIR / f"{name}.ipynb", as_version=4)
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_source_runs_without_error(name, tmp_path, kernel_from_this_python):
+    nb = jupytext.read(NOTEBOOKS_DIR / f"{name}.py")
     backend = keras.backend.backend()
     assert os.environ.get("KERAS_BACKEND", backend) == backend
     nb.cells.append(
         nbformat.v4.new_code_cell(
-            "import os, sys, keras\n"
+            "import os, sys, keras, keras_mha\n"
             f"assert os.path.realpath(sys.executable) == {os.path.realpath(sys.executable)!r}, "
             "sys.executable\n"
             f"assert keras.backend.backend() == {backend!r}, keras.backend.backend()\n"
+            f"assert keras_mha.__file__.startswith({str(ROOT)!r}), keras_mha.__file__\n"
             "print('checked')"
         )
     )
-    copy = tmp_path / f"{name}.ipynb"
-    nbformat.write(nb, copy)
     client = NotebookClient(
         nb,
         timeout=CELL_TIMEOUT_S,
@@ -87,9 +130,11 @@ def test_notebook_runs_without_error(name, tmp_path, kernel_from_this_python):
     assert any("image/png" in o["data"] for o in images), f"{name} drew no picture"
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
+@pytest.mark.parametrize("name", NAMES)
 def test_committed_notebook_has_outputs(name):
-    nb = nbformat.read(NOTEBOOKS_DIR / f"{name}.ipynb", as_version=4)
+    path = NOTEBOOKS_DIR / f"{name}.ipynb"
+    assert path.exists(), f"{path.name} is missing: run `make notebooks`"
+    nb = nbformat.read(path, as_version=4)
     code = [cell for cell in nb.cells if cell.cell_type == "code"]
     assert code, f"{name} has no code"
     unexecuted = [i for i, cell in enumerate(code) if cell.execution_count is None]
@@ -102,16 +147,3 @@ def test_committed_notebook_has_outputs(name):
     assert "Keras backend:" in first, f"{name} does not state its backend first"
     pngs = [o for cell in code for o in cell.outputs if "image/png" in o.get("data", {})]
     assert pngs, f"{name} was committed without its pictures"
-
-
-def test_committed_notebooks_match_their_source(tmp_path):
-    builder = _load_builder()
-    assert sorted(builder.NOTEBOOKS) == sorted(NOTEBOOKS)
-    paths = [builder.write(name, spec, folder=tmp_path) for name, spec in builder.NOTEBOOKS.items()]
-    builder.format_and_lint(paths)
-    for path in paths:
-        fresh = nbformat.read(path, as_version=4)
-        committed = nbformat.read(NOTEBOOKS_DIR / path.name, as_version=4)
-        assert [c.source for c in committed.cells] == [c.source for c in fresh.cells], (
-            f"{path.name} differs from notebooks/build_notebooks.py: rebuild it"
-        )
