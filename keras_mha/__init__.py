@@ -10,8 +10,14 @@ installed backends and runs each one's work in its own process.
 
 import importlib
 import sys
+from typing import TYPE_CHECKING
 
 import wrapt
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
+    from keras_mha import interop
+    from keras_mha.layer import MultiHeadAttention
+    from keras_mha.swapping import save_swapped, swap, swapped
 
 __version__ = "0.1.0"
 
