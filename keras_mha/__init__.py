@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import wrapt
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
-    from keras_mha import interop
-    from keras_mha.layer import MultiHeadAttention
-    from keras_mha.swapping import save_swapped, swap, swapped
+    from keras_mha import interop  # noqa: F401
+    from keras_mha.layer import MultiHeadAttention  # noqa: F401
+    from keras_mha.swapping import save_swapped, swap, swapped  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -120,7 +120,7 @@ def _run(kernel, mask, extras=None, **options):
             out, _ = explicit.attention(q, k, v, equations=EQUATIONS, **kwargs)
             return out
         if kernel == "fused":
-            return fused.attention(q, k, v, **kwargs)
+            return fused.attention(q, k, v, chunk_size=4, **kwargs)
         return chunked.attention(q, k, v, chunk_size=4, loop=kernel == "looped", **kwargs)
 
     return fn
@@ -205,18 +205,37 @@ def test_dropout_keep_rate_and_independence(rate):
     assert (to_numpy(logits.dropout_keep(other, rows, cols, rate)) != keep).mean() > 0.1
 
 
-@pytest.mark.parametrize("masking", ["none", "causal", "keys", "queries", "dense", "no-keys"])
-def test_fused_matches_explicit(rng, masking):
-    mask = MASKS[masking](T, T)
-    call = kernels.policy.Call(mask=mask)
-    assert kernels.policy.fusable(call)
-    _assert_same("fused", mask, _inputs(rng))
+@pytest.mark.parametrize("masking", list(MASKS))
+@pytest.mark.parametrize("lengths", [(T, T), (T, T + 4)])
+def test_fused_matches_explicit(rng, masking, lengths):
+    """Masks the kernel cannot take whole are built one chunk of queries at a time."""
+    t, s = lengths
+    mask = MASKS[masking](t, s)
+    assert kernels.policy.fusable(kernels.policy.Call(mask=mask))
+    _assert_same("fused", mask, _inputs(rng, t, s))
 
 
-def test_fused_takes_a_bias(rng):
+@pytest.mark.parametrize("masking", ["none", "keys", "causal+padding", "dense-heads+causal"])
+def test_fused_takes_a_bias(rng, masking):
     q, k, v = _inputs(rng)
     bias = rng.standard_normal((1, N, T, T)).astype("float32")
-    _assert_same("fused", None, (q, k, v, bias), ("bias",))
+    _assert_same("fused", MASKS[masking](T, T), (q, k, v, bias), ("bias",))
+
+
+def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch):
+    """Each chunk's kernel call sees that chunk's rows and the keys up to its last one."""
+    shapes = []
+    original = fused._Kernel.__call__
+
+    def spy(self, query, key, value, mask, *rest):
+        shapes.append((query.shape[1], key.shape[1], tuple(mask.shape)))
+        return original(self, query, key, value, mask, *rest)
+
+    monkeypatch.setattr(fused._Kernel, "__call__", spy)
+    q, k, v = _inputs(rng, 12, 12)
+    mask = _tensorize(masks.AttentionMask(causal=True, key_valid=_padding(12, 7)))
+    fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
+    assert shapes == [(4, 4, (B, 1, 4, 4)), (4, 8, (B, 1, 4, 8)), (4, 12, (B, 1, 4, 12))]
 
 
 def test_rows_without_keys_are_zero_and_finite(rng):
@@ -279,17 +298,17 @@ def test_policy_choose():
     assert choose(None, call(scores=True), rules) == "explicit"
     assert choose("chunked", call(rank4=False), rules) == "explicit"
     assert choose(None, call(), rules) == "fused"
+    # The fused kernels draw their own dropout and know no soft cap or sinks.
     assert choose(None, call(dropout=True), rules) == "chunked"
     assert choose(None, call(soft_cap=True), rules) == "chunked"
     assert choose(None, call(sinks=True), rules) == "chunked"
     padded_causal = masks.AttentionMask(causal=True, key_valid=np.ones((1, 3), bool))
-    assert choose(None, call(mask=padded_causal), rules) == "chunked"
-    assert choose(None, call(mask=masks.AttentionMask(window=2)), rules) == "chunked"
+    assert choose(None, call(mask=padded_causal, bias=True), rules) == "fused"
     decoding = masks.AttentionMask(causal=True, offset=ops.convert_to_tensor(3))
-    assert choose("fused", call(mask=decoding), rules) == "chunked"
-    assert choose(None, call(mask=masks.AttentionMask(causal=True)), rules) == "fused"
+    assert choose("fused", call(mask=decoding), rules) == "fused"
     assert choose("explicit", call(), rules) == "explicit"
     assert choose(None, call(), kernels.policy.Policy("chunked")) == "chunked"
+    assert choose("fused", call(), kernels.policy.Policy("chunked")) == "fused"
 
 
 def test_policy_table_covers_every_backend():

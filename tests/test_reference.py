@@ -88,10 +88,8 @@ def test_implementation_matches_reference(name, implementation, rng, spy):
     out = to_numpy(layer(q, v, attention_mask=mask_tensor, use_causal_mask=causal))
 
     expected_kernel = implementation
-    # The fused kernels take neither a window nor causality with another mask (nor,
-    # on JAX, key_dim != value_dim) without a dense (T, S) mask: the lean kernel runs.
-    unfusable = "sliding_window" in config or (causal and mask is not None)
-    if implementation == "fused" and (unfusable or (BACKEND == "jax" and "value_dim" in config)):
+    # JAX's fused kernel needs key_dim == value_dim: the lean chunked kernel runs.
+    if implementation == "fused" and BACKEND == "jax" and "value_dim" in config:
         expected_kernel = "chunked"
     if expected_kernel is not None:
         assert spy[expected_kernel] == 1, spy

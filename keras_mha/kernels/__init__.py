@@ -86,7 +86,16 @@ def attention(
             seed=seed if dropping else None,
         )
     if kernel == "fused":
-        output = fused.attention(query, key, value, scale=scale, mask=mask, bias=bias, flash=flash)
+        output = fused.attention(
+            query,
+            key,
+            value,
+            scale=scale,
+            mask=mask,
+            bias=bias,
+            flash=flash,
+            chunk_size=chunk_size or rules.chunk_size,
+        )
         return output, None
     output = chunked.attention(
         query,

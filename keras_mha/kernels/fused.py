@@ -1,71 +1,146 @@
 """The backend's fused kernel (`keras.ops.dot_product_attention`; torch's
 `scaled_dot_product_attention` directly).
 
-It takes what `policy.fusable` lets through: no mask, causality alone (`is_causal`),
-key padding or the user's dense mask (broadcast as they are), or a bias. Padded
-queries, and rows left with no key, are zeroed after the kernel, which never sees an
-all-masked row (some kernels turn one into NaN).
+The kernel takes one mask or bias tensor. A mask it can take as it is, it gets whole:
+none, causality alone (`is_causal`), key padding, the user's dense mask, a bias. A mask
+that would have to be built over the whole `(T, S)` (causality or a window together
+with padding, a decoding offset given as a tensor) is built one chunk of queries at a
+time instead, and the kernel runs on each chunk against the keys it can see: no
+`(T, S)` tensor, and a causal call skips the keys after each chunk's last query.
+
+Padded queries, and rows left with no key, are zeroed after the kernel, which never
+sees an all-masked row (some kernels turn one into NaN).
 """
 
 from keras import backend, ops
 
 from keras_mha import masks as masks_lib
+from keras_mha.kernels import logits as logits_lib
 from keras_mha.kernels import policy
 
 
-def attention(query, key, value, *, scale, mask=None, bias=None, flash=None):
+def attention(query, key, value, *, scale, mask=None, bias=None, flash=None, chunk_size=256):
     """Returns the output `(B, T, N, Hv)`.
 
     Args:
         query: `(B, T, N, H)`; key: `(B, S, N, H)`; value: `(B, S, N, Hv)`.
-        mask: an `AttentionMask` that `policy.fusable` accepted, or `None`.
+        mask: an `AttentionMask`, or `None`.
         bias: float, broadcastable to `(B, N, T, S)`, or `None`.
         flash: the layer's `flash_attention` (`None` lets the backend decide).
+        chunk_size: query rows per chunk, when the mask is built chunk by chunk.
     """
-    kernel_mask, valid, is_causal = _kernel_mask(mask)
     dtype = query.dtype
     if backend.standardize_dtype(dtype) == "float16" and not policy.current().fused_float16:
         query, key, value = (ops.cast(x, "float32") for x in (query, key, value))
-    if backend.backend() == "torch" and not flash:
-        output = _torch_attention(
-            query, key, value, mask=kernel_mask, bias=bias, scale=scale, is_causal=is_causal
-        )
+    run = _Kernel(scale, flash)
+    if _takes_whole(mask, bias):
+        output = run(query, key, value, *_whole_mask(mask), bias)
     else:
-        output = ops.dot_product_attention(
-            query,
-            key,
-            value,
-            bias=bias,
-            mask=kernel_mask,
-            scale=scale,
-            is_causal=is_causal,
-            flash_attention=flash,
-        )
-    output = ops.cast(output, dtype)
-    if valid is not None:
-        output = ops.where(ops.transpose(valid, (0, 2, 1, 3)), output, 0.0)
-    return output
+        output = _by_chunks(run, query, key, value, mask, bias, chunk_size)
+    return ops.cast(output, dtype)
 
 
-def _kernel_mask(mask):
-    """`(kernel_mask, valid_rows, is_causal)` for the kernel.
+def _takes_whole(mask, bias):
+    """Whether the kernel takes the mask as it is, with no `(T, S)` tensor built."""
+    if mask is None:
+        return True
+    if mask.window is not None or (mask.causal and mask.static_offset != 0):
+        return False
+    if mask.causal:  # `is_causal` takes no other mask or bias
+        return mask.key_valid is None and mask.dense is None and bias is None
+    return True
 
-    `valid_rows` `(B or 1, N or 1, T or 1, 1)` marks queries that attend to
-    something; the others are unmasked in `kernel_mask` and zeroed after.
-    """
+
+def _whole_mask(mask):
+    """`(kernel_mask, valid_rows, is_causal)` for a mask the kernel takes whole."""
     if mask is None:
         return None, None, False
-    keys = None
-    if mask.key_valid is not None:
-        keys = mask.key_valid[:, None, None, :]
-    kernel_mask = masks_lib.logical_and(keys, mask.dense)
-    valid = None
-    if kernel_mask is not None:
-        valid = ops.any(kernel_mask, axis=-1, keepdims=True)
-        kernel_mask = ops.logical_or(kernel_mask, ops.logical_not(valid))
+    keys = None if mask.key_valid is None else mask.key_valid[:, None, None, :]
+    kernel_mask, valid = _unmask_empty_rows(masks_lib.logical_and(keys, mask.dense))
     if mask.query_valid is not None:
         valid = masks_lib.logical_and(valid, mask.query_valid[:, None, :, None])
     return kernel_mask, valid, mask.causal
+
+
+def _unmask_empty_rows(kernel_mask):
+    """`(kernel_mask, valid_rows)`: rows with no key unmasked (zeroed later)."""
+    if kernel_mask is None:
+        return None, None
+    valid = ops.any(kernel_mask, axis=-1, keepdims=True)
+    return ops.logical_or(kernel_mask, ops.logical_not(valid)), valid
+
+
+def _by_chunks(run, query, key, value, mask, bias, chunk_size):
+    """The kernel on each chunk of queries, against the keys the chunk can see."""
+    query_length, key_length = query.shape[1], key.shape[1]
+    if not isinstance(query_length, int):  # unknown or symbolic: one chunk
+        query_length, chunk_size = ops.shape(query)[1], None
+    if not isinstance(key_length, int):
+        key_length = ops.shape(key)[1]
+    starts = [0] if chunk_size is None else range(0, query_length, chunk_size)
+    outputs = []
+    for start in starts:
+        size = query_length if chunk_size is None else min(chunk_size, query_length - start)
+        lo, hi = mask.key_range(start, size, key_length)
+        if chunk_size is None:
+            lo, hi = 0, key_length
+        block = mask.block(start, size, lo, hi - lo)
+        kernel_mask, valid = _unmask_empty_rows(block)
+        chunk_bias = None
+        if bias is not None:
+            chunk_bias = _slice(_slice(bias, 2, start, size), 3, lo, hi - lo)
+        output = run(
+            _slice(query, 1, start, size),
+            _slice(key, 1, lo, hi - lo),
+            _slice(value, 1, lo, hi - lo),
+            kernel_mask,
+            valid,
+            False,
+            chunk_bias,
+        )
+        outputs.append(output)
+    return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs, axis=1)
+
+
+class _Kernel:
+    """One call of the backend's kernel; zeroes the rows `valid` marks False."""
+
+    def __init__(self, scale, flash):
+        self.scale, self.flash = scale, flash
+
+    def __call__(self, query, key, value, mask, valid, is_causal, bias):
+        if bias is not None and mask is not None:  # the kernels take one of them
+            bias = ops.cast(bias, "float32") + ops.where(mask, 0.0, logits_lib.MASKED)
+            mask = None
+        if backend.backend() == "torch" and not self.flash:
+            output = _torch_attention(
+                query, key, value, mask=mask, bias=bias, scale=self.scale, is_causal=is_causal
+            )
+        else:
+            output = ops.dot_product_attention(
+                query,
+                key,
+                value,
+                bias=bias,
+                mask=mask,
+                scale=self.scale,
+                is_causal=is_causal,
+                flash_attention=self.flash,
+            )
+        if valid is not None:
+            output = ops.where(ops.transpose(valid, (0, 2, 1, 3)), output, 0.0)
+        return output
+
+
+def _slice(x, axis, start, size):
+    """`x[..., start:start + size, ...]` along `axis` (a broadcast axis of 1 stays)."""
+    if x.shape[axis] == 1 or (isinstance(start, int) and start == 0 and x.shape[axis] == size):
+        return x
+    starts = [0] * len(x.shape)
+    starts[axis] = start
+    shape = list(ops.shape(x))
+    shape[axis] = size
+    return ops.slice(x, starts, shape)
 
 
 def _torch_attention(query, key, value, *, mask, bias, scale, is_causal):

@@ -123,8 +123,7 @@ def choose(requested, call, policy):
     Returns:
         One of `IMPLEMENTATIONS`. Scores and N-d attention take the explicit kernel,
         whatever was requested. "fused" becomes "chunked" where the backend's kernel
-        cannot take the call without a dense `(T, S)` mask or a feature it lacks;
-        "chunked" becomes "explicit" on backends that cannot run it.
+        lacks a feature the call needs (`fusable`).
     """
     if call.scores or not call.rank4:
         return "explicit"
@@ -136,20 +135,10 @@ def choose(requested, call, policy):
 
 
 def fusable(call):
-    """Whether the backend's fused kernel takes this call as it is."""
+    """Whether the backend's fused kernel takes this call: any mask (built chunk by
+    chunk where it would otherwise be a `(T, S)` tensor) and a bias, but no dropout
+    (the kernels draw their own), soft cap or sinks."""
     if call.dropout or call.soft_cap or call.sinks:
         return False
-    if backend.backend() == "jax" and not call.same_head_dims:
-        return False  # JAX's kernel needs key_dim == value_dim
-    mask = call.mask
-    if mask is None:
-        return True
-    if mask.window is not None:
-        return False
-    # Padded queries are zeroed after the kernel, whatever it is given.
-    keys_masked = mask.key_valid is not None or mask.dense is not None
-    if mask.causal:  # `is_causal` has no offset and takes no other mask or bias
-        return mask.static_offset == 0 and not keys_masked and not call.bias
-    # Key padding and a user's dense mask broadcast as they are; a bias is an
-    # additive term that the kernels take only instead of a mask.
-    return not (call.bias and keys_masked)
+    # JAX's kernel needs key_dim == value_dim.
+    return backend.backend() != "jax" or call.same_head_dims
