@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
     from keras_mha.layer import MultiHeadAttention  # noqa: F401
     from keras_mha.swapping import save_swapped, swap, swapped  # noqa: F401
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Public name -> (module, attribute in it; None: the module itself).
 _PUBLIC = {

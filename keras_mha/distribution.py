@@ -9,6 +9,7 @@ holds a slice of the heads of every projection,
     output kernel                (N, Hv, out) -> (model, None, None)
     output bias                  (out,)       -> replicated
     query_norm/key_norm scale    (H,)         -> replicated
+    sinks/sinks                  (N,)         -> (model,)
 
 computes its heads' attention locally, and the output projection's contraction over
 heads ends in one all-reduce, which GSPMD inserts. The patterns match the variable
@@ -89,4 +90,5 @@ def layout_map(device_mesh, model_axis="model", *, num_heads=None, num_key_value
     layouts[f"{_ANY_PARENT}attention_output/bias"] = ()
     for name in ("query_norm", "key_norm"):
         layouts[f"{_ANY_PARENT}{name}/scale"] = (None,)
+    layouts[f"{_ANY_PARENT}sinks/sinks"] = (model_axis,)  # one per query head
     return layouts

@@ -51,6 +51,19 @@ CASES = {
         {},
         ("data_parallel", "model_parallel"),
     ),
+    # Sinks sharded with their heads; soft cap and RoPE run on each device's heads.
+    "modern": (
+        dict(
+            num_heads=8,
+            key_dim=4,
+            num_key_value_heads=4,
+            use_sinks=True,
+            logit_soft_cap=5.0,
+            rope_max_wavelength=100.0,
+        ),
+        dict(use_causal_mask=True),
+        ("model_parallel",),
+    ),
     # 2 key/value heads on a 4-way model axis: key/value weights replicated.
     "gqa_replicated_kv": (
         dict(num_heads=8, key_dim=4, num_key_value_heads=2),

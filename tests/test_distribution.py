@@ -38,6 +38,7 @@ SHARDED = {
     "attention_output/bias": [None],
     "query_norm/scale": [None],
     "key_norm/scale": [None],
+    "sinks/sinks": ["model"],
 }
 REPLICATED_KV = {
     **SHARDED,
@@ -53,8 +54,9 @@ RUNS = {
     ("gqa_gate_qknorm", "data_parallel"): None,
     ("gqa_gate_qknorm", "model_parallel"): SHARDED,
     ("gqa_replicated_kv", "model_parallel"): REPLICATED_KV,
+    ("modern", "model_parallel"): SHARDED,
 }
-WEIGHTS_PER_CASE = {"mha_causal": 8, "gqa_gate_qknorm": 12, "gqa_replicated_kv": 8}
+WEIGHTS_PER_CASE = {"mha_causal": 8, "gqa_gate_qknorm": 12, "gqa_replicated_kv": 8, "modern": 9}
 
 
 def _mesh(shape=(2, 4), axis_names=("batch", "model")):

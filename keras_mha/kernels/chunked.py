@@ -60,7 +60,8 @@ def attention(
         dropout: attention dropout rate; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask.
         chunk_size: query rows per chunk.
-        in_flight: how many unrolled chunks may run at once (TensorFlow graphs).
+        in_flight: how many unrolled chunks of the forward pass may run at once
+            (TensorFlow graphs); the backward runs one at a time.
         loop: visit the chunks in a compiled loop rather than unrolled.
         differentiable: use the custom backward (backends that train).
     """
@@ -145,14 +146,17 @@ class _Plan:
 class _Inputs:
     """The kernel's inputs in the heads-first layout the chunks work in."""
 
-    def __init__(self, options, query, key, value, bias, sinks):
+    def __init__(self, options, query, key, value, bias, sinks, heads=None):
         self.options = options
         self.query, self.key, self.value, self.bias, self.sinks = query, key, value, bias, sinks
-        self.q = ops.transpose(
-            ops.multiply(query, ops.cast(options.scale, query.dtype)), (0, 2, 1, 3)
-        )
-        self.key_t = ops.transpose(key, (0, 2, 3, 1))  # (B, N, H, S)
-        self.v = ops.transpose(value, (0, 2, 1, 3))  # (B, N, S, Hv)
+        if heads is None:
+            scaled = ops.multiply(query, ops.cast(options.scale, query.dtype))
+            heads = (
+                ops.transpose(scaled, (0, 2, 1, 3)),  # (B, N, T, H), scaled
+                ops.transpose(key, (0, 2, 3, 1)),  # (B, N, H, S)
+                ops.transpose(value, (0, 2, 1, 3)),  # (B, N, S, Hv)
+            )
+        self.q, self.key_t, self.v = heads
         self.sink = None if sinks is None else logits_lib.sink_logits(sinks, 4, 1)
         self.query_length = ops.shape(self.q)[2]
 
@@ -160,17 +164,17 @@ class _Inputs:
         """These inputs as new values that exist only once `upstream` does: the
         backward's recomputation is then no common subexpression of the forward
         pass, which graph compilers would keep alive for it (the whole `(T, S)`)."""
-        tensors = (self.query, self.key, self.value)
+        heads = (self.q, self.key_t, self.v)
         if backend.backend() == "tensorflow":
             import tensorflow as tf
 
             with tf.control_dependencies([upstream]):
-                tensors = tuple(tf.identity(t) for t in tensors)
+                heads = tuple(tf.identity(t) for t in heads)
         elif backend.backend() == "jax":
             import jax
 
-            tensors, _ = jax.lax.optimization_barrier((tensors, upstream))
-        return _Inputs(self.options, *tensors, self.bias, self.sinks)
+            heads, _ = jax.lax.optimization_barrier((heads, upstream))
+        return _Inputs(self.options, self.query, self.key, self.value, self.bias, self.sinks, heads)
 
     def block(self, start, size, lo, keys):
         return _Block(self, start, size, lo, keys)
@@ -272,8 +276,9 @@ def _backward_chunk(block, d_out, correction, logsumexp):
     d_weights = block.dropped(_matmul(d_out, ops.transpose(values, (0, 1, 3, 2))))
     d_logits = weights * (d_weights - correction)
     d_raw = d_logits if squashed is None else d_logits * (1.0 - ops.square(squashed))
-    keys = ops.transpose(_slice(inputs.key_t, 3, block.lo, block.keys), (0, 1, 3, 2))
-    d_query = _matmul(ops.cast(d_raw, inputs.q.dtype), keys)
+    keys_t = _slice(inputs.key_t, 3, block.lo, block.keys)
+    d_query = ops.einsum("bnqk,bnhk->bnqh", ops.cast(d_raw, inputs.q.dtype), keys_t)
+    d_query = ops.cast(d_query, "float32")
     d_key = _matmul_t(d_raw, block.query, inputs.q.dtype)
     d_sink = None
     if inputs.sink is not None:
@@ -307,7 +312,8 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     else:
         state = None
         for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
-            with _after(total.d_queries, i, plan.in_flight):
+            # One chunk at a time: two in flight measured no faster and held more.
+            with _after(total.done, i, 1):
                 state = visit(start, size, lo, hi, state)
     d_query, d_key, d_value, d_bias, d_sink = total.finish(state)
     return [
@@ -330,7 +336,7 @@ class _Gradients:
     def __init__(self, plan, inputs):
         self.plan, self.inputs = plan, inputs
         self.bias_shape = None if inputs.bias is None else tuple(inputs.bias.shape)
-        self.d_queries = []
+        self.d_queries, self.done = [], []
 
     def zeros(self):
         inputs = self.inputs
@@ -355,6 +361,9 @@ class _Gradients:
         self.d_queries.append(d_query)
         with _after(self.d_queries, len(self.d_queries), 1):
             state.add(block, d_key, d_value, d_bias, d_sink)
+        # The next chunks wait for this one's sums, not only its query gradient: the
+        # parts of chunks run ahead would otherwise wait, all alive, to be added.
+        self.done.append([d_query, state.d_key.sum, state.d_value.sum])
         return state
 
     def _add_in_place(self, state, block, d_query, d_key, d_value, d_bias, d_sink):
@@ -485,9 +494,11 @@ def _matmul(a, b):
 
 
 def _matmul_t(a, b, dtype):
-    """`a^T @ b` over the last two axes, in `dtype`, as float32."""
-    a = ops.cast(ops.transpose(a, (0, 1, 3, 2)), dtype)
-    return _matmul(a, ops.cast(b, dtype))
+    """`a^T @ b` over the last two axes, in `dtype`, as float32 (an einsum: the
+    backends' batched matmuls take the transposed operand without a copy)."""
+    return ops.cast(
+        ops.einsum("bnqk,bnqc->bnkc", ops.cast(a, dtype), ops.cast(b, dtype)), "float32"
+    )
 
 
 def _bias_block(bias, start, size, lo, keys):
@@ -542,4 +553,5 @@ def _after(outputs, index, in_flight):
 
     if tf.executing_eagerly():
         return contextlib.nullcontext()
-    return tf.control_dependencies([outputs[index - in_flight]])
+    waited = outputs[index - in_flight]
+    return tf.control_dependencies(waited if isinstance(waited, list) else [waited])

@@ -22,9 +22,10 @@ class Policy:
             "fused" (the backend's own kernel), "chunked" or "explicit".
         chunk_size: query rows per chunk of the chunked kernel (the layer's
             `chunk_size=None`).
-        in_flight: how many unrolled query chunks may run at once; `None` for no
-            limit. TensorFlow's graph executor otherwise starts every chunk
-            together and the memory saving is gone.
+        in_flight: how many unrolled query chunks of a forward pass may run at once;
+            `None` for no limit. TensorFlow's graph executor otherwise starts every
+            chunk together and the memory saving is gone; two overlap one chunk's
+            softmax with the next one's matmul.
         loop: the chunked kernel visits its chunks in a compiled loop instead of
             unrolling them. XLA schedules unrolled chunks together and keeps all
             their buffers; in a loop each chunk sees every key (masked), so a
