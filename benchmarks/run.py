@@ -324,7 +324,7 @@ def scaling(backend, args):
         for which in ("ours", "builtin"):
             base = _point(backend, which, LONG_MASKED.name, SHORT_LENGTH, step, args)["peak_mib"]
             rows, failed = [], None
-            for length in SCALING_LENGTHS:
+            for length in args.scaling_lengths:
                 if failed:  # a longer sequence would fail the same way
                     rows.append((length, None, None, failed))
                     continue
@@ -526,6 +526,7 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, default=25)
     parser.add_argument("--long-pairs", type=int, default=7)
     parser.add_argument("--no-scaling", dest="scaling", action="store_false")
+    parser.add_argument("--scaling-lengths", nargs="+", type=int, default=list(SCALING_LENGTHS))
     parser.add_argument("--memory-limit", type=float, default=16.0, help="GiB per process")
     parser.add_argument("--time-limit", type=float, default=900.0, help="seconds per process")
     parser.add_argument("--out", default=RESULTS)
