@@ -17,10 +17,9 @@ per process), through `predict_on_batch` / `train_on_batch` of a functional mode
   T = 1024 ... 32768, ours and the built-in, a fresh process per point; a point whose
   process passes `--memory-limit` GiB (or `--time-limit` s) is killed and reported so.
 
-Child processes run with glibc's `MALLOC_MMAP_THRESHOLD_` fixed at 1 MiB, so buffers
-of 1 MiB and more are returned to the system when freed and peak RSS measures what was
-live (with the default, growing threshold, glibc keeps freed chunk buffers, which made
-the same kernel's peak depend on allocation order). Both layers run under it.
+Peak RSS is what the process holds, allocator included: glibc keeps freed buffers of
+up to 32 MiB for reuse (faster than mapping fresh pages), so a kernel that works in
+chunks shows more than it holds live at once. Both layers run with the defaults.
 
     .venv/bin/python benchmarks/run.py                 # every backend, ~40 minutes on 2 cores
     .venv/bin/python benchmarks/run.py --backends jax --pairs 5 --no-scaling

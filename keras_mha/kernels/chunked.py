@@ -130,11 +130,21 @@ class _Plan:
             starts = range(0, query_length, chunk_size)
             chunks = tuple((s, min(chunk_size, query_length - s)) for s in starts) or ((0, 0),)
         loop = loop and len(chunks) > 1
+        if not loop:
+            # Unrolled, the last chunk (the most keys) goes first: each chunk's buffers
+            # are then no larger than freed ones, which malloc reuses instead of
+            # growing the heap by every chunk's new, larger size.
+            chunks = chunks[::-1]
         ranges = tuple(
             (0, key_length) if mask is None or loop else mask.key_range(start, size, key_length)
             for start, size in chunks
         )
         return cls(chunks, ranges, key_length, query_length, in_flight, loop)
+
+    def concat(self, parts):
+        """The chunks' parts, in the order the chunks were visited, along the queries."""
+        order = sorted(range(len(parts)), key=lambda i: self.chunks[i][0])
+        return _concat([parts[i] for i in order], 2)
 
     def looped(self):
         """`(count, size)` of the equal chunks the loop visits, and the static rest."""
@@ -241,7 +251,7 @@ def _forward(plan, inputs):
             output, logsumexp = _forward_chunk(inputs.block(start, size, lo, _width(lo, hi)))
         outputs.append(output)
         logsumexps.append(logsumexp)
-    return _concat(outputs, 2), _concat(logsumexps, 2)
+    return plan.concat(outputs), plan.concat(logsumexps)
 
 
 def _forward_loop(plan, inputs):
@@ -395,8 +405,7 @@ class _Gradients:
             d_bias = rest.pop(0) if self.bias_shape is not None else None
             d_sink = rest.pop(0) if self.inputs.sink is not None else None
             return d_query, d_key, d_value, d_bias, d_sink
-        d_query = _concat(self.d_queries, 2)
-        return (d_query, *state.finish())
+        return (self.plan.concat(self.d_queries), *state.finish(self.plan))
 
 
 class _Unrolled:
@@ -422,20 +431,20 @@ class _Unrolled:
         if d_sink is not None:
             self.d_sink = d_sink if self.d_sink is None else self.d_sink + d_sink
 
-    def finish(self):
+    def finish(self, plan):
         d_bias = self.bias_sum
         if self.bias_rows:
-            d_bias = _concat(self.bias_rows, 2)
+            d_bias = plan.concat(self.bias_rows)
         return self.d_key.total(), self.d_value.total(), d_bias, self.d_sink
 
 
 class _KeySum:
     """A `(B, N, S, C)` float32 gradient summed from per-chunk key ranges `[lo, hi)`.
 
-    The running sum covers keys `[0, largest hi so far)`: a causal chunk's range
-    grows, and the sum is padded as it does, so no chunk pads to the whole `S`.
-    A pad between successive adds also keeps TensorFlow's graph optimizer from
-    fusing the chain into one `AddN`, which would hold every chunk's part at once.
+    The running sum covers keys `[0, largest hi so far)`; a part is padded to it, or
+    it to the part. Each add waits for its chunk (see `_Gradients.add`), which keeps
+    TensorFlow's graph optimizer from fusing the chain into one `AddN` that would
+    hold every chunk's part at once.
     """
 
     def __init__(self, length, key_t, channels_of):

@@ -77,7 +77,8 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         query_length, chunk_size = ops.shape(query)[1], None
     if not isinstance(key_length, int):
         key_length = ops.shape(key)[1]
-    starts = [0] if chunk_size is None else range(0, query_length, chunk_size)
+    # The last chunk (the most keys) first: later chunks' buffers fit in freed ones.
+    starts = [0] if chunk_size is None else range(0, query_length, chunk_size)[::-1]
     outputs = []
     for start in starts:
         size = query_length if chunk_size is None else min(chunk_size, query_length - start)
@@ -99,7 +100,7 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
             chunk_bias,
         )
         outputs.append(output)
-    return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs, axis=1)
+    return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs[::-1], axis=1)
 
 
 class _Kernel:

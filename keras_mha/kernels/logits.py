@@ -46,14 +46,19 @@ def softmax(x, mask, axes, sinks=None):
     """Float32 masked softmax over `axes`, with optional sink logits in the
     denominator; masked entries and key-less rows get weight 0.
 
-    Returns `(weights, logsumexp)`, the logsumexp keeping `axes` as 1s.
+    Returns `(weights, logsumexp)`, the logsumexp keeping `axes` as 1s. Only the
+    backward pass of the chunked kernel uses the logsumexp; compiled graphs that do
+    not (inference) drop its computation.
     """
     if mask is not None:
         x = ops.where(mask, x, MASKED)
-    peak = ops.max(x, axis=axes, keepdims=True, initial=MASKED)
-    if sinks is not None:
-        peak = ops.maximum(peak, sinks)
-    peak = ops.stop_gradient(peak)
+    if sinks is None and len(axes) == 1 and len(x.shape) <= 5:
+        # The backends' fused softmax: one pass (TensorFlow's CPU kernel takes rank <= 5).
+        weights = ops.softmax(x, axis=axes[0])
+        if mask is not None:  # masked entries, and every entry of a key-less row
+            weights = ops.where(mask, weights, 0.0)
+        return weights, _logsumexp(x, mask, axes)
+    peak = ops.stop_gradient(_peak(x, axes, sinks))
     weights = ops.exp(x - peak)
     if mask is not None:
         weights = ops.where(mask, weights, 0.0)
@@ -62,8 +67,22 @@ def softmax(x, mask, axes, sinks=None):
         total = total + ops.exp(sinks - peak)
     has_keys = ops.greater(total, 0.0)
     total = ops.where(has_keys, total, 1.0)
-    logsumexp = ops.where(has_keys, peak + ops.log(total), NO_KEYS)
-    return weights / total, logsumexp
+    return weights / total, ops.where(has_keys, peak + ops.log(total), NO_KEYS)
+
+
+def _peak(x, axes, sinks):
+    peak = ops.max(x, axis=axes, keepdims=True, initial=MASKED)
+    return peak if sinks is None else ops.maximum(peak, sinks)
+
+
+def _logsumexp(x, mask, axes):
+    """Per-row logsumexp of masked logits `x`; `NO_KEYS` for a row with no key."""
+    peak = _peak(x, axes, None)
+    total = ops.sum(ops.exp(x - peak), axis=axes, keepdims=True)
+    logsumexp = peak + ops.log(total)
+    if mask is None:
+        return logsumexp
+    return ops.where(ops.any(mask, axis=axes, keepdims=True), logsumexp, NO_KEYS)
 
 
 # ------------------------------------------------------------------------- dropout
