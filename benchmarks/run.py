@@ -234,12 +234,7 @@ def _child(args):
 def _spawn(backend, worker_args, memory_limit_gib=None, time_limit_s=None):
     """Runs a worker in a child process; returns its result, or `{"failed": why}` when
     it passed the memory or time limit."""
-    env = dict(
-        os.environ,
-        KERAS_BACKEND=backend,
-        TF_CPP_MIN_LOG_LEVEL="3",
-        MALLOC_MMAP_THRESHOLD_="1048576",
-    )
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     command = [sys.executable, os.path.abspath(__file__), *worker_args]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
