@@ -38,6 +38,11 @@ class MultiHeadAttention(keras.layers.Layer):
         A_i = softmax(Q_i K_i^T / sqrt(d), masked)          (B, T, S)
         output = sum_i (A_i V_i) @ Wo_i + bo                (B, T, out)
 
+    With the options of recent models on (all off by default): Q_i and K_i
+    RMS-normalised (`normalize_qk`) then rotated by position (`rope_max_wavelength`);
+    the logits soft-capped (`logit_soft_cap`), then `attention_bias` added, then
+    masked; sink logits in the softmax's denominator (`use_sinks`).
+
     Same arguments, same weights (same order, names and shapes) and the same results
     as the built-in layer, on the tensorflow, jax and torch backends, with these
     differences, each one tested:
@@ -48,7 +53,7 @@ class MultiHeadAttention(keras.layers.Layer):
     3. `return_attention_scores` may also be given to the constructor, as the
        layer's default; a call argument overrides it.
     4. `flash_attention=True` with scores requested returns the scores (that call
-       uses the explicit kernel) instead of raising.
+       uses the explicit kernel) instead of raising; with dropout it is accepted.
     5. A query row whose keys are all masked gets zero attention weights, hence a
        zero context (its output is the output projection's bias), with finite
        outputs and gradients, on every kernel and backend.
@@ -79,17 +84,18 @@ class MultiHeadAttention(keras.layers.Layer):
             attention output per head before the output projection.
         seed: Seed of the attention dropout.
         return_attention_scores: Default for the call argument of the same name.
-        implementation: Which attention kernel runs: `None`/"auto" (the fastest
-            measured on the backend: "fused" on torch and on JAX with a GPU,
-            "chunked" elsewhere), "explicit" (materialises the scores), "fused"
-            (the backend's fused kernel), or "chunked" (chunks of keys with an online
-            softmax on JAX, of queries elsewhere; never the whole
-            `(T, S)` scores). Calls that return scores, apply dropout or use N-d
-            attention always run "explicit".
-        chunk_size: Keys (or queries) per chunk of the "chunked" kernel; `None`
-            takes the backend's measured default (`kernels.DEFAULT_CHUNK_SIZE`:
-            128 queries on TensorFlow, 256 keys on JAX, 256 queries on torch),
-            chosen when the layer runs, so a saved layer re-chooses where it loads.
+        implementation: Which attention kernel runs: `None`/"auto" (the backend's
+            entry in `kernels.policy.POLICIES`: "fused" on torch and on JAX with a
+            GPU, "chunked" elsewhere), "explicit" (materialises the scores), "fused"
+            (the backend's fused kernel; a mask it cannot take whole is built per
+            chunk of queries), or "chunked" (chunks of queries, forward and
+            backward; never the whole `(T, S)` scores). Calls that return scores or
+            use N-d attention run "explicit"; dropout in training, `logit_soft_cap`
+            and `use_sinks`, which the fused kernels lack, run "chunked".
+        chunk_size: Query rows per chunk of the chunked kernel (and of the fused
+            one where it builds its mask by chunks); `None` takes the policy's size
+            for the backend (`kernels.policy.POLICIES`), chosen when the layer runs,
+            so a saved layer re-chooses where it loads.
         num_key_value_heads: Grouped-query attention: number `Nkv` of key/value
             heads, a divisor of `num_heads` (1 is multi-query attention); `None`
             means `num_heads`. Key/value kernels are `(dim, Nkv, key_dim/value_dim)`
@@ -98,6 +104,17 @@ class MultiHeadAttention(keras.layers.Layer):
         normalize_qk: QK-norm: RMS-normalise the projected queries and keys over the
             head dimension, each with a learned `(key_dim,)` scale (weights
             `query_norm/scale`, `key_norm/scale`, created after all the others).
+        logit_soft_cap: `None` or a positive float `c`: logits become
+            `c * tanh(logits / c)` before the bias and the masks.
+        use_sinks: A learned logit per head (weight `sinks/sinks`, `(num_heads,)`,
+            zeros at first, created last) in every row's softmax denominator: a
+            query may attend to nothing; returned scores then sum to less than 1.
+        rope_max_wavelength: `None` or a positive number: rotary position
+            embedding of the projected queries and keys (after QK-norm), exactly
+            `keras_hub.layers.RotaryEmbedding(max_wavelength, scaling_factor)`;
+            positions are `cache_update_index + t` when decoding. Needs an even
+            `key_dim` and `(B, T, dim)` inputs.
+        rope_scaling_factor: Positions are divided by it (position interpolation).
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -129,6 +146,9 @@ class MultiHeadAttention(keras.layers.Layer):
             with `use_causal_mask=True` unwritten positions are never attended. Without
             causal masking, pass an `attention_mask` that hides them. `None` uses the
             cache as it is (e.g. cross-attention over a precomputed cache).
+        attention_bias: Optional float tensor broadcastable to the scores
+            `(B, N, T, S)` (with a cache, `S` is its length), added to the logits:
+            ALiBi, relative position bias, any learned bias (it gets gradients).
 
     Returns:
         output: `(B, T, dim)`, or `(B, T) + output_shape` when given.
