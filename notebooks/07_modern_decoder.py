@@ -102,7 +102,7 @@ class Decoder(keras.Model):
             if caches is None:
                 x = block(x)
             else:
-                x, cache = block(x, caches[i], index)
+                x, cache = block(x, cache=caches[i], index=index)
                 new_caches.append(cache)
         logits = self.head(self.norm(x))
         return logits if caches is None else (logits, new_caches)
@@ -159,11 +159,11 @@ print(f"held-out next-token accuracy: {accuracy:.3f}")
 prompt = test[:4, :12]
 caches = [block.attention.init_cache(4, LENGTH) for block in model.blocks]
 tokens = prompt
-logits, caches = model(ops.convert_to_tensor(prompt), caches, 0)  # the prompt at once
+logits, caches = model(ops.convert_to_tensor(prompt), caches=caches, index=0)  # the prompt
 generated = [ops.convert_to_numpy(ops.argmax(logits[:, -1], axis=-1))]
 for t in range(prompt.shape[1], LENGTH - 1):
     step = ops.convert_to_tensor(generated[-1][:, None].astype("int32"))
-    logits, caches = model(step, caches, t)  # one token, attending over the cache
+    logits, caches = model(step, caches=caches, index=t)  # one token, over the cache
     generated.append(ops.convert_to_numpy(ops.argmax(logits[:, -1], axis=-1)))
 generated = np.stack(generated, axis=1)
 for row in range(2):
@@ -182,9 +182,11 @@ full = ops.convert_to_numpy(model(sequence))
 caches = [block.attention.init_cache(4, LENGTH) for block in model.blocks]
 steps = []
 for t in range(LENGTH):
-    logits, caches = model(sequence[:, t : t + 1], caches, t)
+    logits, caches = model(sequence[:, t : t + 1], caches=caches, index=t)
     steps.append(ops.convert_to_numpy(logits))
-print("largest difference, token by token vs one call:", np.abs(np.concatenate(steps, 1) - full).max())
+print(
+    "largest difference, token by token vs one call:", np.abs(np.concatenate(steps, 1) - full).max()
+)
 
 # %% [markdown]
 # ## Where the heads look, and what the sinks take
