@@ -14,7 +14,7 @@ per process), through `predict_on_batch` / `train_on_batch` of a functional mode
 - memory: growth of peak RSS from T=256 to T=8192 of one call, a fresh process per
   configuration (`ru_maxrss` sees native buffers, which `tracemalloc` does not).
 - scaling: time and peak memory of one forward and one train step, padded + causal,
-  T = 1024 ... 32768, ours and the built-in, a fresh process per point; a point whose
+  T = 512 ... 32768, ours and the built-in, a fresh process per point; a point whose
   process passes `--memory-limit` GiB (or `--time-limit` s) is killed and reported so.
 
 Peak RSS is what the process holds, allocator included: glibc keeps freed buffers of
@@ -43,7 +43,7 @@ BACKENDS = ("tensorflow", "jax", "torch")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MATMUL_SIZE = 2048
 SHORT_LENGTH = 256  # the memory baseline
-SCALING_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+SCALING_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,14 @@
-"""Shared test utilities: a float64 NumPy reference of multi-head attention, a builder
-of (ours, built-in) layer pairs with the same weights, and a backend-dispatching
-gradient helper.
+"""The per-backend helpers of the tests, in one place: calling a layer the fast way
+(`call`: one `jax.jit` per layer on JAX), compiling a step (`compiled`), gradients
+(`gradients` of a layer, `value_and_grads` of a function), plus a builder of (ours,
+built-in) layer pairs with the same weights.
 
 Everything here works on the tensorflow, jax and torch backends and takes / returns
-NumPy arrays, so tests can compare results without knowing the backend.
+NumPy arrays, so tests can compare results without knowing the backend. The float64
+reference they compare with is `reference.py`.
 """
+
+import weakref
 
 import keras
 import numpy as np
@@ -14,193 +18,6 @@ import keras_mha
 BACKEND = keras.backend.backend()
 
 
-# ----------------------------------------------------------------------------- NumPy
-def softmax_with_mask(logits, mask=None, axes=(-1,), sinks=None):
-    """Float64 softmax over `axes`; masked entries get 0, fully-masked rows all 0.
-
-    Args:
-        logits: any shape.
-        mask: boolean, broadcastable to `logits`, `True` = may attend; or `None`.
-        axes: the axes normalised over.
-        sinks: `None` or logits broadcastable to `logits` with `axes` as 1s, each
-            joining its row's denominator with no value of its own.
-    """
-    logits = np.asarray(logits, np.float64)
-    if mask is not None:
-        mask = np.broadcast_to(np.asarray(mask, bool), logits.shape)
-        logits = np.where(mask, logits, -np.inf)
-    peak = np.max(logits, axis=axes, keepdims=True)
-    if sinks is not None:
-        peak = np.maximum(peak, sinks)
-    peak = np.where(np.isfinite(peak), peak, 0.0)
-    exp = np.exp(logits - peak)
-    total = np.sum(exp, axis=axes, keepdims=True)
-    if sinks is not None:
-        total = total + np.exp(sinks - peak)
-    return np.where(total > 0, exp / np.where(total > 0, total, 1.0), 0.0)
-
-
-def rope(x, start, max_wavelength, scaling_factor=1.0):
-    """Float64 rotary embedding of `x` `(B, T, N, H)` at positions `start + t`, in
-    keras-hub's rotate-half convention (`keras_hub.layers.RotaryEmbedding`)."""
-    x = np.asarray(x, np.float64)
-    half = x.shape[-1] // 2
-    inverse_frequency = max_wavelength ** (-np.arange(half) * 2.0 / x.shape[-1])
-    positions = (start + np.arange(x.shape[1])) / scaling_factor
-    angles = positions[:, None] * inverse_frequency[None, :]  # (T, H/2)
-    cos, sin = np.cos(angles)[None, :, None, :], np.sin(angles)[None, :, None, :]
-    first, second = x[..., :half], x[..., half:]
-    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-
-
-def reference_attention(
-    query, key, value, mask=None, attention_axes=None, bias=None, soft_cap=None, sinks=None
-):
-    """Float64 `softmax(q k^T / sqrt(H), masked) v` on projected heads.
-
-    Args:
-        query: `(B, <dims>, N, H)`; key: `(B, <dims'>, N, H)`; value: `(B, <dims'>, N, Hv)`.
-        mask: boolean `(B or 1, <query attention dims>, <key attention dims>)`, or `None`.
-        attention_axes: non-negative projected axes attention runs over; `None` means
-            every axis between batch and heads.
-        bias: one attention axis only: added to the logits, broadcastable to
-            `(B, N, T, S)`.
-        soft_cap: logits become `cap * tanh(logits / cap)` (before the bias).
-        sinks: `(N,)` sink logits joining each row's denominator.
-
-    Returns:
-        `(output, weights)`: output like the query with `Hv` channels, and weights in
-        the built-in layer's layout `(<other axes>, N, <query att dims>, <key att dims>)`.
-    """
-    query, key, value = (np.asarray(x, np.float64) for x in (query, key, value))
-    rank = query.ndim
-    axes = tuple(range(1, rank - 2)) if attention_axes is None else tuple(attention_axes)
-    others = tuple(i for i in range(rank - 1) if i not in axes)  # batch, free axes, heads
-
-    def flatten(x):  # -> (<others>, prod(att dims), channels)
-        moved = np.transpose(x, others + axes + (rank - 1,))
-        lead = moved.shape[: len(others)]
-        return moved.reshape(lead + (-1, x.shape[-1])), moved.shape[len(others) : -1]
-
-    q, q_dims = flatten(query)
-    k, k_dims = flatten(key)
-    v, _ = flatten(value)
-    logits = np.einsum("...th,...sh->...ts", q, k) / np.sqrt(query.shape[-1])
-    if soft_cap is not None:
-        logits = soft_cap * np.tanh(logits / soft_cap)
-    if bias is not None:
-        logits = logits + np.asarray(bias, np.float64)
-    if sinks is not None:  # heads are the last of the "other" axes
-        sinks = np.asarray(sinks, np.float64).reshape((-1, 1, 1))
-    flat_mask = None
-    if mask is not None:
-        mask = np.asarray(mask, bool)
-        mask = mask.reshape(mask.shape[:1] + (int(np.prod(q_dims)), int(np.prod(k_dims))))
-        # Broadcast over the non-batch "other" axes (free axes and heads).
-        flat_mask = mask.reshape(mask.shape[:1] + (1,) * (len(others) - 1) + mask.shape[1:])
-    weights = softmax_with_mask(logits, flat_mask, sinks=sinks)
-    out = np.einsum("...ts,...sh->...th", weights, v)
-    lead = out.shape[: len(others)]
-    out = out.reshape(lead + q_dims + (v.shape[-1],))
-    # Back from (<others>, <att dims>, Hv) to the query's layout.
-    order = others + axes + (rank - 1,)
-    out = np.transpose(out, np.argsort(order))
-    weights = weights.reshape(lead + q_dims + k_dims)
-    return out, weights
-
-
-def layer_weights(layer):
-    """The layer's projection weights as float64 NumPy arrays, keyed by sublayer."""
-    names = ["query", "key", "value", "output"] + (["gate"] if _has_gate(layer) else [])
-    result = {}
-    for name in names:
-        dense = getattr(layer, f"_{name}_dense")
-        kernel = np.asarray(keras.ops.convert_to_numpy(dense.kernel), np.float64)
-        bias = None if dense.bias is None else keras.ops.convert_to_numpy(dense.bias)
-        result[name] = (kernel, None if bias is None else np.asarray(bias, np.float64))
-    return result
-
-
-def _has_gate(layer):
-    return getattr(layer, "_use_gate", False)
-
-
-def _project(x, kernel, bias, input_axes):
-    # Contract the trailing `input_axes` axes of x with the leading axes of kernel.
-    out = np.tensordot(x, kernel, axes=input_axes)
-    return out if bias is None else out + bias
-
-
-def reference_mha(
-    layer,
-    query,
-    value,
-    key=None,
-    mask=None,
-    use_causal_mask=False,
-    sliding_window=None,
-    attention_bias=None,
-):
-    """Float64 NumPy forward pass of a built `MultiHeadAttention` (ours or built-in).
-
-    Reads the layer's weights, `num_heads`, `attention_axes` and gate, and for ours
-    also QK-norm, rotary embeddings, grouped key/value heads, the soft cap and sinks.
-
-    Args:
-        layer: a built layer.
-        query: `(B, ..., dim)`; value, key: `(B, ..., dim_v)` of the same rank.
-        mask: boolean `(B or 1, <query att dims>, <key att dims>)` or `None`.
-        use_causal_mask, sliding_window: masks of 1-d attention, ANDed into `mask`.
-        attention_bias: added to the logits, broadcastable to `(B, N, T, S)`.
-
-    Returns:
-        `(output, scores)` as float64 arrays; fully-masked rows have zero scores.
-    """
-    query, value = np.asarray(query, np.float64), np.asarray(value, np.float64)
-    key = value if key is None else np.asarray(key, np.float64)
-    w = layer_weights(layer)
-    q = _project(query, *w["query"], 1)
-    k = _project(key, *w["key"], 1)
-    v = _project(value, *w["value"], 1)
-    if getattr(layer, "_normalize_qk", False):
-        q = _rms_norm(q, layer._query_norm)
-        k = _rms_norm(k, layer._key_norm)
-    wavelength = getattr(layer, "_rope_max_wavelength", None)
-    if wavelength is not None:
-        q = rope(q, 0, wavelength, layer._rope_scaling_factor)
-        k = rope(k, 0, wavelength, layer._rope_scaling_factor)
-    repeats = layer.num_heads // getattr(layer, "num_key_value_heads", layer.num_heads)
-    k, v = np.repeat(k, repeats, axis=-2), np.repeat(v, repeats, axis=-2)
-    sinks = None
-    if getattr(layer, "_use_sinks", False):
-        sinks = keras.ops.convert_to_numpy(layer._sinks.sinks)
-    soft_cap = getattr(layer, "_logit_soft_cap", None)
-    axes = layer.attention_axes
-    if use_causal_mask or sliding_window:
-        t, s = query.shape[1], key.shape[1]
-        rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
-        band = np.ones((1, t, s), bool)
-        if use_causal_mask:
-            band &= rows >= cols
-        if sliding_window:
-            band &= np.abs(rows - cols) < sliding_window
-        mask = band if mask is None else np.asarray(mask, bool) & band
-    context, scores = reference_attention(
-        q, k, v, mask, axes, bias=attention_bias, soft_cap=soft_cap, sinks=sinks
-    )
-    if _has_gate(layer):
-        gate_kernel, gate_bias = w["gate"]
-        context = context / (1.0 + np.exp(-_project(query, gate_kernel, gate_bias, 1)))
-    out_kernel, out_bias = w["output"]
-    return _project(context, out_kernel, out_bias, 2), scores
-
-
-def _rms_norm(x, norm):
-    scale = np.asarray(keras.ops.convert_to_numpy(norm.scale), np.float64)
-    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + norm.epsilon) * scale
-
-
-# --------------------------------------------------------------------------- layers
 def make_pair(config, query_shape, value_shape=None, key_shape=None, seed=0, copy="to_ours"):
     """Builds ours and the built-in layer from one config, with identical weights.
 
@@ -303,3 +120,84 @@ def gradients(layer, inputs, loss=None, **call_kwargs):
         raise NotImplementedError(BACKEND)
     grads = [None if g is None else to_numpy(g) for g in grads]
     return float(to_numpy(value)), dict(zip(names, grads[: len(names)])), grads[len(names) :]
+
+
+def value_and_grads(fn, arrays):
+    """`fn(*tensors)`'s output and the gradients of `sum(output * w)` (a fixed random
+    `w`) w.r.t. each array, as NumPy."""
+    ops = keras.ops
+    weights = None
+
+    def loss(*tensors):
+        nonlocal weights
+        out = fn(*tensors)
+        if weights is None:
+            shape = tuple(out.shape)
+            weights = np.random.default_rng(7).standard_normal(shape).astype("float32")
+        return ops.sum(out * ops.convert_to_tensor(weights)), out
+
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        tensors = [tf.constant(a) for a in arrays]
+        with tf.GradientTape() as tape:
+            tape.watch(tensors)
+            value, out = loss(*tensors)
+        grads = tape.gradient(value, tensors)
+    elif BACKEND == "jax":
+        import jax
+
+        # One compiled graph: much faster on CPU than op-by-op eager dispatch.
+        argnums = tuple(range(len(arrays)))
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(
+            *[jax.numpy.asarray(a) for a in arrays]
+        )
+    else:
+        import torch
+
+        tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
+        value, out = loss(*tensors)
+        value.backward()
+        grads = [t.grad for t in tensors]
+    return to_numpy(out), [to_numpy(g) for g in grads]
+
+
+# ------------------------------------------------------------------ compiled calls
+def compiled(fn):
+    """`fn` compiled as each backend compiles a step: `jax.jit`, `tf.function` with
+    XLA; torch runs it eagerly (the same code path, tensors as arguments)."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(fn)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(fn, jit_compile=True)
+    return fn
+
+
+_JITTED = weakref.WeakKeyDictionary()
+
+
+def call(layer, *args, **kwargs):
+    """`layer(*args, **kwargs)` as NumPy. On JAX through `jax.jit` of its stateless
+    call, once per layer and set of non-array arguments: one compilation instead of
+    one per op keeps the JAX run as fast as the others. Array arguments are traced,
+    everything else (flags, `None`) is static."""
+    if BACKEND != "jax":
+        return to_numpy(layer(*args, **kwargs))
+    import jax
+
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, np.ndarray)}
+    static = {k: v for k, v in kwargs.items() if k not in arrays}
+    functions = _JITTED.setdefault(layer, {})
+    signature = (len(args), tuple(sorted(arrays)), repr(sorted(static.items())))
+    if signature not in functions:
+
+        def run(variables, args, arrays):
+            return layer.stateless_call(variables, [], *args, **arrays, **static)[0]
+
+        functions[signature] = jax.jit(run)
+    variables = [v.value for v in layer.trainable_variables]
+    return to_numpy(functions[signature](variables, args, arrays))

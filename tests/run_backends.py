@@ -1,14 +1,16 @@
 """Runs the pytest suite once per Keras backend, each in its own process; the tests
 marked `once` (they cover every backend in subprocesses, or need none) in one run; the
-inference-only backends' suite (numpy, openvino: tests/test_inference_backends.py); then
-the notebooks. Prints one summary line per run and fails when any run fails, its backend
-is not installed, or it ran no test: no backend is ever skipped silently.
+inference-only backends' suite (numpy, openvino: tests/test_inference_backends.py); and
+the notebooks. The runs share `--jobs` worker slots (one per core by default), longest
+first. Prints one summary line per run and fails when any run fails, its backend is not
+installed, or it ran no test: no backend is ever skipped silently.
 
     python tests/run_backends.py --backends tensorflow jax torch \
-        --inference-backends numpy openvino --notebook-backend jax
+        --inference-backends numpy openvino --notebook-backend jax --jobs 2
 """
 
 import argparse
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -75,37 +77,39 @@ def main():
     parser.add_argument("--inference-backends", nargs="*", default=["numpy", "openvino"])
     parser.add_argument("--notebook-backend", default="jax")
     parser.add_argument("--no-notebooks", action="store_true")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args, extra = parser.parse_known_args()
 
-    all_ok = True
-    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    # Longest first (JAX's run, then the notebooks), so the slots finish together.
     runs = [(b, b, ["-m", "not notebook and not once", *extra]) for b in args.backends]
+    runs.sort(key=lambda run: run[1] != "jax")
+    if not args.no_notebooks:
+        notebooks = ["-m", "notebook", "tests/test_notebooks.py"]
+        runs.insert(1, (f"notebooks[{args.notebook_backend}]", args.notebook_backend, notebooks))
     if args.backends:  # tests that cover every backend themselves, or need none
-        runs.append((f"once[{args.backends[0]}]", args.backends[0], ["-m", "once", *extra]))
+        runs.insert(2, (f"once[{args.backends[0]}]", args.backends[0], ["-m", "once", *extra]))
     runs += [
         (f"inference[{b}]", b, ["tests/test_inference_backends.py"])
         for b in args.inference_backends
     ]
-    for label, backend, pytest_args in runs:
+
+    def run(label, backend, pytest_args):
         importable, why = _backend_importable(backend)
         if not importable:
             print(f"{label:>22}: NOT INSTALLED ({' '.join(why)})  [FAILED]", flush=True)
-            all_ok = False
-            totals["failed"] += 1
-            continue
-        ok, counts = _run_pytest(label, backend, pytest_args)
-        all_ok &= ok
-        for key in totals:
-            totals[key] += counts[key]
-    if not args.no_notebooks:
-        label = f"notebooks[{args.notebook_backend}]"
-        ok, counts = _run_pytest(
-            label, args.notebook_backend, ["-m", "notebook", "tests/test_notebooks.py"]
-        )
-        all_ok &= ok
-        for key in totals:
-            totals[key] += counts[key]
-    print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")
+            return False, {"passed": 0, "failed": 1, "skipped": 0}
+        return _run_pytest(label, backend, pytest_args)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = [pool.submit(run, *r) for r in runs]
+        results = [r.result() for r in results]
+    all_ok = all(ok for ok, _ in results)
+    totals = {key: sum(counts[key] for _, counts in results) for key in results[0][1]}
+    print(
+        f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped "
+        f"in {time.perf_counter() - start:.0f}s ({args.jobs} jobs)"
+    )
     return 0 if all_ok else 1
 
 

@@ -1,11 +1,6 @@
 """Models on `keras.layers.MultiHeadAttention`, as users write them (keras.io's text
 classification with a Transformer), for the swap tests and the CLI's `--import`.
-
-    KERAS_BACKEND=jax python tests/swap_models.py save OUT.keras   # the classifier
-    KERAS_BACKEND=torch python tests/swap_models.py check A.keras B.keras ...
 """
-
-import sys
 
 import keras
 import numpy as np
@@ -130,42 +125,3 @@ def build_plain(seed=0):
     keras.utils.set_random_seed(seed)
     x = keras.Input((4,), name="x")
     return keras.Model(x, layers.Dense(2)(x), name="plain")
-
-
-def check(paths):
-    """For each file: compare it with its swapped copy here (outputs and weight
-    gradients) and swap it to a file that must load swapped with `safe_mode=True`."""
-    import json
-    import os
-
-    import keras_mha
-    from keras_mha import compare
-
-    results = {}
-    for path in paths:
-        record = compare.compare_model(path, [], repeats=0)
-        out = os.path.splitext(path)[0] + f"-swapped-{keras.backend.backend()}.keras"
-        swap = compare.swap_file(path, out)
-        loaded = keras.saving.load_model(out, safe_mode=True)
-        results[path] = {
-            "backend": keras.backend.backend(),
-            "passed": record["passed"],
-            "max_abs_diff": record["max_abs_diff"],
-            "grad_max_abs_diff": record["grad_max_abs_diff"],
-            "swap_passed": swap["passed"],
-            "loaded": [
-                type(loaded.get_layer("block").att).__module__,
-                type(loaded.get_layer("causal_attention")).__module__,
-            ],
-            "same_class": type(loaded.get_layer("block").att) is keras_mha.MultiHeadAttention,
-        }
-    print("RESULTS " + json.dumps(results))
-
-
-if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "check":
-        check(sys.argv[2:])
-        sys.exit(0)
-    if len(sys.argv) != 3 or sys.argv[1] != "save":
-        sys.exit(f"usage: KERAS_BACKEND=... {sys.argv[0]} save OUT.keras | check FILE ...")
-    build_classifier().save(sys.argv[2])

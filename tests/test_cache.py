@@ -3,12 +3,12 @@
 import keras
 import numpy as np
 import pytest
+from helpers import BACKEND, compiled
 from keras import ops
 
 import keras_mha
 from keras_mha import cache as cache_lib
 
-BACKEND = keras.backend.backend()
 B, L, D = 2, 6, 8
 HEADS, HEAD_DIM = 4, 2
 
@@ -134,18 +134,6 @@ def test_cache_without_index_is_used_as_is_for_cross_attention(rng):
     np.testing.assert_array_equal(ops.convert_to_numpy(same), ops.convert_to_numpy(cache))
 
 
-def _compile(fn):
-    if BACKEND == "jax":
-        import jax
-
-        return jax.jit(fn)
-    if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        return tf.function(fn, jit_compile=True)
-    return fn  # torch: the eager backend, index as a tensor, same code path.
-
-
 def test_decoding_step_compiles_once(rng):
     layer = _layer(num_key_value_heads=2, normalize_qk=True)
     x = rng.normal(size=(B, L, D)).astype("float32")
@@ -156,7 +144,7 @@ def test_decoding_step_compiles_once(rng):
         traces.append(1)
         return layer(token, token, cache=cache, cache_update_index=index, use_causal_mask=True)
 
-    step = _compile(step)
+    step = compiled(step)
     cache = layer.init_cache(B, L)
     outputs = []
     for t in range(L):

@@ -6,8 +6,9 @@ unknown dimensions are never called a mismatch, on each backend's own symbolic t
 import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, make_pair, random_inputs, reference_mha, to_numpy
+from helpers import BACKEND, make_pair, random_inputs, to_numpy
 from keras import ops
+from reference import reference_mha
 
 import keras_mha
 from keras_mha import checks

@@ -149,21 +149,3 @@ def test_argument_errors_exit_2(argv, message, capsys):
         cli.main(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
-
-
-@pytest.mark.once
-@pytest.mark.slow
-def test_notebook_script_runs_top_to_bottom():
-    # notebooks/06_move_your_model.py (jupytext percent format), as a plain script.
-    import importlib.util
-
-    backend = next(b for b in ("jax", "torch", "tensorflow") if importlib.util.find_spec(b))
-    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": str(ROOT)}
-    env["PYTHONWARNINGS"] = "ignore"
-    script = ROOT / "notebooks" / "06_move_your_model.py"
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "largest output difference" in done.stdout
-    assert done.stdout.count("exit status: 0") == 2 and "exit status: 2" in done.stdout

@@ -1,10 +1,10 @@
 """Head-parallel sharding: `keras_mha.distribution.layout_map` (issue 10).
 
 The scale-out checks run on JAX with 8 virtual CPU devices in a subprocess
-(`tests/distribution_check.py`), whatever this session's backend: JAX must see
-`XLA_FLAGS=--xla_force_host_platform_device_count=8` before it is imported. The
-`LayoutMap` itself is pure Python and is checked in process on every backend, as is
-what a distribution scope does on this session's backend.
+(`tests/distribution_check.py`) whatever this session's backend, so they run once
+(`once`): JAX must see `XLA_FLAGS=--xla_force_host_platform_device_count=8` before it
+is imported. The `LayoutMap` itself is pure Python and is checked in process on every
+backend, as is what a distribution scope does on this session's backend.
 """
 
 import json
@@ -85,6 +85,7 @@ def report():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.once
 def test_subprocess_sees_eight_jax_devices(report):
     assert report["backend"] == "jax"
     assert report["devices"] == 8
@@ -92,11 +93,13 @@ def test_subprocess_sees_eight_jax_devices(report):
     assert {(c, d) for c, runs in report["cases"].items() for d in runs} == set(RUNS)
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("case,dist", sorted(RUNS), ids=["-".join(k) for k in sorted(RUNS)])
 def test_outputs_match_single_device(report, case, dist):
     assert report["cases"][case][dist]["forward_max_abs_diff"] <= TOLERANCE
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("case,dist", sorted(RUNS), ids=["-".join(k) for k in sorted(RUNS)])
 def test_training_step_matches_single_device(report, case, dist):
     run = report["cases"][case][dist]
@@ -106,6 +109,7 @@ def test_training_step_matches_single_device(report, case, dist):
     assert run["weights_changed"] > 1e-3
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("case,dist", sorted(RUNS), ids=["-".join(k) for k in sorted(RUNS)])
 def test_variables_are_sharded_as_intended(report, case, dist):
     run = report["cases"][case][dist]
@@ -119,6 +123,7 @@ def test_variables_are_sharded_as_intended(report, case, dist):
             assert spec == want, (key, path)
 
 
+@pytest.mark.once
 def test_uneven_heads_without_num_heads_fail_when_variables_are_created(report):
     # 6 heads over a 4-way model axis: JAX refuses the split, naming the shape.
     error = report["uneven_heads_error"]

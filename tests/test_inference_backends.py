@@ -9,7 +9,8 @@ every other test out of these.
 import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, random_inputs, reference_mha, to_numpy
+from helpers import BACKEND, random_inputs, to_numpy
+from reference import reference_mha
 
 import keras_mha
 

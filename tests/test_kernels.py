@@ -6,7 +6,7 @@ import dataclasses
 import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, to_numpy
+from helpers import BACKEND, to_numpy, value_and_grads
 from keras import ops
 
 from keras_mha import equations, kernels, masks
@@ -69,44 +69,6 @@ def _tensorize(mask):
         if isinstance(getattr(mask, f.name), np.ndarray)
     }
     return dataclasses.replace(mask, **fields)
-
-
-def value_and_grads(fn, arrays):
-    """`fn(*tensors)`'s output and the gradients of `sum(output * w)` (a fixed random
-    `w`) w.r.t. each array, as NumPy."""
-    weights = None
-
-    def loss(*tensors):
-        nonlocal weights
-        out = fn(*tensors)
-        if weights is None:
-            shape = tuple(out.shape)
-            weights = np.random.default_rng(7).standard_normal(shape).astype("float32")
-        return ops.sum(out * ops.convert_to_tensor(weights)), out
-
-    if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        tensors = [tf.constant(a) for a in arrays]
-        with tf.GradientTape() as tape:
-            tape.watch(tensors)
-            value, out = loss(*tensors)
-        grads = tape.gradient(value, tensors)
-    elif BACKEND == "jax":
-        import jax
-
-        argnums = tuple(range(len(arrays)))
-        (_, out), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(
-            *[jax.numpy.asarray(a) for a in arrays]
-        )
-    else:
-        import torch
-
-        tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
-        value, out = loss(*tensors)
-        value.backward()
-        grads = [t.grad for t in tensors]
-    return to_numpy(out), [to_numpy(g) for g in grads]
 
 
 def _run(kernel, mask, extras=None, **options):
@@ -247,27 +209,6 @@ def test_rows_without_keys_are_zero_and_finite(rng):
         assert np.all(out[0] == 0.0), kernel
         assert all(np.isfinite(g).all() for g in grads), kernel
         assert np.all(grads[0][0] == 0.0), kernel
-
-
-@pytest.mark.parametrize(
-    "mask, start, size, expected",
-    [
-        (masks.AttentionMask(), 4, 4, (0, 20)),
-        (masks.AttentionMask(causal=True), 4, 4, (0, 8)),
-        (masks.AttentionMask(causal=True, offset=3), 4, 4, (0, 11)),
-        (masks.AttentionMask(window=3), 8, 4, (6, 14)),
-        (masks.AttentionMask(causal=True, window=3), 8, 4, (6, 12)),
-        (masks.AttentionMask(causal=True, offset=ops.convert_to_tensor(2)), 4, 4, (0, 20)),
-    ],
-)
-def test_key_range_bounds_what_a_chunk_can_see(mask, start, size, expected):
-    assert mask.key_range(start, size, 20) == expected
-    # Every key outside the range is masked for every query of the chunk.
-    lo, hi = expected
-    block = mask.block(start, size, 0, 20)
-    if block is not None:
-        seen = np.broadcast_to(to_numpy(block), (1, 1, size, 20)).any(axis=(0, 1, 2))
-        assert not seen[:lo].any() and not seen[hi:].any()
 
 
 def test_chunked_skips_keys_no_query_sees(rng, monkeypatch):

@@ -32,6 +32,14 @@ SOURCES = sorted(NOTEBOOKS_DIR.glob("*.py"))
 NAMES = [source.stem for source in SOURCES]
 CELL_TIMEOUT_S = 600  # generous: the machine may be shared
 KERNEL_NAME = "keras-mha-test-python"
+# What a notebook must print, beyond running: text -> how many times.
+EXPECTED_TEXT = {
+    "06_move_your_model": {
+        "largest output difference": 2,
+        "exit status: 0": 2,
+        "exit status: 2": 1,
+    },
+}
 
 
 def _cells(notebook):
@@ -126,6 +134,9 @@ def test_notebook_source_runs_without_error(name, tmp_path, kernel_from_this_pyt
     )
     client.execute()  # raises CellExecutionError, naming the cell, on any error
     assert nb.cells[-1].outputs[0]["text"].strip() == "checked"
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    for expected, count in EXPECTED_TEXT.get(name, {}).items():
+        assert text.count(expected) == count, f"{name} printed {expected!r} {text.count(expected)}x"
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "data" in o]
     assert any("image/png" in o["data"] for o in images), f"{name} drew no picture"
 

@@ -1,10 +1,10 @@
 """Numerics at the edges: float16 logits that overflow, fully masked rows (values and
 gradients), very long and length-1 sequences, batch sizes 1 and 0, on every kernel."""
 
-import keras
 import numpy as np
 import pytest
-from helpers import gradients, reference_mha, to_numpy
+from helpers import call, gradients, to_numpy
+from reference import reference_mha
 
 from keras_mha import MultiHeadAttention
 
@@ -20,23 +20,6 @@ def _layer(dim, value_dim=None, seed=0, std=0.5, **config):
     rng = np.random.default_rng(seed)
     layer.set_weights([rng.normal(0.0, std, w.shape).astype("float32") for w in layer.weights])
     return layer
-
-
-def _call(layer, *args, **kwargs):
-    """`layer(*args, **kwargs)` as NumPy; on JAX through `jax.jit` (one compilation
-    per call instead of one per op, which keeps the JAX run as fast as the others)."""
-    if keras.backend.backend() != "jax":
-        return to_numpy(layer(*args, **kwargs))
-    import jax
-
-    arrays = {k: v for k, v in kwargs.items() if isinstance(v, np.ndarray)}
-    static = {k: v for k, v in kwargs.items() if k not in arrays}
-
-    def run(variables, args, arrays):
-        return layer.stateless_call(variables, [], *args, **arrays, **static)[0]
-
-    variables = [v.value for v in layer.trainable_variables]
-    return to_numpy(jax.jit(run)(variables, args, arrays))
 
 
 def _copy(layer, dim, **config):
@@ -61,17 +44,17 @@ def test_mixed_float16_with_overflowing_logits_is_finite_and_close_to_float32(im
     _, logits = _float64_logits(layer32, query, value)
     assert np.abs(logits).max() > FLOAT16_MAX
 
-    expected = _call(layer32, query, value)
-    output = _call(layer16, query, value)
+    expected = call(layer32, query, value)
+    output = call(layer16, query, value)
     assert output.dtype == np.float16
     assert np.all(np.isfinite(output))
     scale = np.abs(expected).max()
     np.testing.assert_allclose(output.astype("float32"), expected, rtol=0, atol=2e-2 * scale)
 
-    output, scores = _call(layer16, query, value, return_attention_scores=True)
+    output, scores = call(layer16, query, value, return_attention_scores=True)
     assert np.all(np.isfinite(output)) and np.all(np.isfinite(scores))
     np.testing.assert_allclose(scores.astype("float32").sum(-1), 1.0, atol=5e-3)
-    _, expected_scores = _call(layer32, query, value, return_attention_scores=True)
+    _, expected_scores = call(layer32, query, value, return_attention_scores=True)
     np.testing.assert_allclose(scores.astype("float32"), expected_scores, rtol=0, atol=2e-2)
 
 
@@ -97,7 +80,7 @@ def test_fully_masked_rows_give_finite_outputs_and_gradients(implementation):
     mask[1] = False  # a whole batch fully masked
     mask[2, :, 0] = True  # every other row has a key
 
-    output = _call(layer, query, value, attention_mask=mask)
+    output = call(layer, query, value, attention_mask=mask)
     expected, _ = reference_mha(layer, query, value, mask=mask)
     np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
     # A row with no key gets a zero context: its output is the output bias.
@@ -129,7 +112,7 @@ def test_query_mask_and_causal_mask_rows_are_finite(implementation):
     query_mask = np.array([[1, 1, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0]], bool)
     value_mask = np.array([[0, 1, 1], [1, 1, 1]], bool)
     kwargs = dict(query_mask=query_mask, value_mask=value_mask, use_causal_mask=True)
-    output = _call(layer, query, value, **kwargs)
+    output = call(layer, query, value, **kwargs)
     mask = query_mask[:, :, None] & value_mask[:, None, :]
     expected, _ = reference_mha(layer, query, value, mask=mask, use_causal_mask=True)
     np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
@@ -145,7 +128,7 @@ def test_very_long_sequences(implementation):
     rng = np.random.default_rng(4)
     query = rng.standard_normal((1, length, dim)).astype("float32")
     value = rng.standard_normal((1, length, dim)).astype("float32")
-    output = _call(layer, query, value, use_causal_mask=True)
+    output = call(layer, query, value, use_causal_mask=True)
     assert output.shape == (1, length, dim)
     assert np.all(np.isfinite(output))
     rows = np.r_[0:3, 511:514, 2048, length - 2, length - 1]
@@ -168,9 +151,9 @@ def test_length_one_sequences(query_length, key_length, causal):
     expected, expected_scores = reference_mha(base, query, value, use_causal_mask=causal)
     for implementation in IMPLEMENTATIONS:
         layer = _copy(base, dim, implementation=implementation, chunk_size=2)
-        output = _call(layer, query, value, use_causal_mask=causal)
+        output = call(layer, query, value, use_causal_mask=causal)
         np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5, err_msg=implementation)
-    _, scores = _call(base, query, value, use_causal_mask=causal, return_attention_scores=True)
+    _, scores = call(base, query, value, use_causal_mask=causal, return_attention_scores=True)
     np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-6)
 
 
@@ -183,7 +166,7 @@ def test_batch_size_one(implementation):
     query = rng.standard_normal((1, 3, dim)).astype("float32")
     value = rng.standard_normal((1, 4, dim)).astype("float32")
     mask = rng.random((1, 3, 4)) < 0.5
-    output = _call(layer, query, value, attention_mask=mask, use_causal_mask=True)
+    output = call(layer, query, value, attention_mask=mask, use_causal_mask=True)
     expected, _ = reference_mha(layer, query, value, mask=mask, use_causal_mask=True)
     np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
 
@@ -200,9 +183,9 @@ def test_batch_size_zero_gives_empty_results(implementation):
         {"attention_mask": np.ones((0, 3, 4), bool)},
         {"query_mask": np.ones((0, 3), bool), "value_mask": np.ones((0, 4), bool)},
     ):
-        output = _call(layer, query, value, **kwargs)
+        output = call(layer, query, value, **kwargs)
         assert output.shape == (0, 3, 2, 3), kwargs
-        output, scores = _call(layer, query, value, return_attention_scores=True, **kwargs)
+        output, scores = call(layer, query, value, return_attention_scores=True, **kwargs)
         assert output.shape == (0, 3, 2, 3) and scores.shape == (0, 2, 3, 4), kwargs
     _, input_grads, _ = gradients(layer, {"query": query, "value": value})
     assert input_grads["query"].shape == query.shape
@@ -212,6 +195,6 @@ def test_batch_size_zero_with_nd_attention():
     layer = MultiHeadAttention(num_heads=2, key_dim=3, attention_axes=(1, 2))
     layer.build((None, 2, 3, 4), (None, 2, 3, 4))
     query = np.zeros((0, 2, 3, 4), "float32")
-    output, scores = _call(layer, query, query, return_attention_scores=True)
+    output, scores = call(layer, query, query, return_attention_scores=True)
     assert output.shape == (0, 2, 3, 4)
     assert scores.shape == (0, 2, 2, 3, 2, 3)

@@ -1,4 +1,4 @@
-"""Property-based tests: the layer against an independent float64 NumPy reference.
+"""Property-based tests: the layer against the float64 NumPy reference (`reference.py`).
 
 Hypothesis draws batch sizes, lengths, head counts, key/value dims, output shapes,
 attention axes (rank-3 and rank-4 inputs), kernels, masks (with fully masked rows
@@ -11,9 +11,11 @@ import os
 
 import keras
 import numpy as np
+from helpers import call
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from keras import ops
+from reference import reference_mha
 
 from keras_mha import MultiHeadAttention
 
@@ -33,7 +35,7 @@ PROFILE = settings.get_profile(os.environ.get("KERAS_MHA_HYPOTHESIS_PROFILE", "k
 RTOL, ATOL = 1e-4, 2e-5
 
 
-# ----------------------------------------------------------------- float64 reference
+# ------------------------------------------------- layouts (to scramble masked keys)
 def _to_attention_layout(x, axes):
     """`(B, X1..Xk, N, H)` -> `(B, F, N, prod(attention dims), H)`, F the free dims."""
     k = x.ndim - 3
@@ -51,56 +53,6 @@ def _from_attention_layout(y, shape, axes):
     order = [0, *free, k + 1, *axes, k + 2]
     moved_shape = [shape[a] for a in order[:-1]] + [y.shape[-1]]
     return np.transpose(y.reshape(moved_shape), np.argsort(order))
-
-
-def _project(x, kernel, bias):
-    out = np.einsum("...d,dnh->...nh", x, kernel)
-    return out if bias is None else out + bias
-
-
-def reference_attention(weights, query, value, key, mask, axes):
-    """Multi-head attention in float64.
-
-    Args:
-        weights: dict of float64 arrays: `query/key/value_kernel` `(dim, N, H)`,
-            `*_bias` `(N, H)` or `None`, `output_kernel` `(N, Hv, *out)`,
-            `output_bias` `(*out,)` or `None`.
-        query: `(B, X1..Xk, dim)`; value `(B, Y1..Yk, dim_v)`; key like value.
-        mask: boolean `(B, <free dims>, <query attention dims>, <key attention dims>)`
-            or `None`; `True` = may attend.
-        axes: non-negative attention axes of the input.
-
-    Returns:
-        `(output, scores)`: `(B, X1..Xk, *out)` and
-        `(B, <free dims>, N, <query attention dims>, <key attention dims>)`.
-    """
-    w = weights
-    q = _project(query, w["query_kernel"], w["query_bias"])
-    k = _project(key, w["key_kernel"], w["key_bias"])
-    v = _project(value, w["value_kernel"], w["value_bias"])
-    ql, kl, vl = (_to_attention_layout(t, axes) for t in (q, k, v))
-    logits = np.einsum("bfnth,bfnsh->bfnts", ql, kl) / math.sqrt(q.shape[-1])
-    batch, free, heads, t_len, s_len = logits.shape
-    if mask is None:
-        allowed = np.ones(logits.shape, bool)
-    else:
-        allowed = np.broadcast_to(mask.reshape(batch, free, 1, t_len, s_len), logits.shape)
-    logits = np.where(allowed, logits, -np.inf)
-    row_max = np.max(logits, axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    exp = np.where(allowed, np.exp(logits - row_max), 0.0)
-    total = exp.sum(-1, keepdims=True)
-    scores = np.where(total > 0, exp / np.where(total > 0, total, 1.0), 0.0)
-    context = np.einsum("bfnts,bfnsh->bfnth", scores, vl)
-    context = _from_attention_layout(context, q.shape[:-1] + (1,), axes)
-    output = np.tensordot(context, w["output_kernel"], axes=([-2, -1], [0, 1]))
-    if w["output_bias"] is not None:
-        output = output + w["output_bias"]
-    free_dims = [query.shape[a] for a in range(1, query.ndim - 1) if a not in axes]
-    scores_shape = (
-        [batch, *free_dims, heads] + [query.shape[a] for a in axes] + [key.shape[a] for a in axes]
-    )
-    return output, scores.reshape(scores_shape)
 
 
 # ------------------------------------------------------------------------ examples
@@ -199,23 +151,6 @@ def _layer(ex):
     return layer
 
 
-def _weights(layer):
-    def get(dense, name):
-        variable = getattr(dense, name, None)
-        return None if variable is None else ops.convert_to_numpy(variable).astype("float64")
-
-    weights = {}
-    for name, dense in (
-        ("query", layer.query_dense),
-        ("key", layer.key_dense),
-        ("value", layer.value_dense),
-        ("output", layer.output_dense),
-    ):
-        weights[f"{name}_kernel"] = get(dense, "kernel")
-        weights[f"{name}_bias"] = get(dense, "bias")
-    return weights
-
-
 def _inputs(ex):
     """Query/value/key arrays and masks: call kwargs plus the merged reference mask."""
     rng = np.random.default_rng(ex["seed"] + 1)
@@ -261,45 +196,6 @@ def _inputs(ex):
     return query, value, key, kwargs, merged, axes
 
 
-_JITTED = {}
-
-
-def _call(layer, query, value, key, kwargs, scores=False):
-    """Calls the layer; on JAX through `jax.jit` (one compilation per shape instead of
-    one per op, which keeps the JAX run as fast as the others)."""
-    if keras.backend.backend() != "jax":
-        result = layer(query, value, key=key, return_attention_scores=scores, **kwargs)
-    else:
-        import jax
-
-        arrays = {k: v for k, v in kwargs.items() if k != "use_causal_mask"}
-        causal = kwargs.get("use_causal_mask", False)
-        cache_key = (id(layer), scores, causal)
-        if cache_key not in _JITTED:
-            if len(_JITTED) > 64:
-                _JITTED.clear()
-
-            def run(variables, query, value, key, arrays):
-                result, _ = layer.stateless_call(
-                    variables,
-                    [],
-                    query,
-                    value,
-                    key=key,
-                    return_attention_scores=scores,
-                    use_causal_mask=causal,
-                    **arrays,
-                )
-                return result
-
-            _JITTED[cache_key] = jax.jit(run)
-        variables = [v.value for v in layer.trainable_variables]
-        result = _JITTED[cache_key](variables, query, value, key, arrays)
-    if scores:
-        return tuple(ops.convert_to_numpy(r) for r in result)
-    return ops.convert_to_numpy(result)
-
-
 # --------------------------------------------------------------------------- tests
 # Found by this test: on TensorFlow, Keras's `ops.add` added a `(N, 1)` bias along
 # the sequence axis when T == N (see `projections.add_bias`).
@@ -332,17 +228,10 @@ _BIAS_ON_SEQUENCE_AXIS = dict(
 def test_outputs_and_scores_match_float64_reference(ex):
     layer = _layer(ex)
     query, value, key, kwargs, merged, axes = _inputs(ex)
-    expected, expected_scores = reference_attention(
-        _weights(layer),
-        query.astype("float64"),
-        value.astype("float64"),
-        (value if key is None else key).astype("float64"),
-        merged,
-        axes,
-    )
-    output = _call(layer, query, value, key, kwargs)
+    expected, expected_scores = reference_mha(layer, query, value, key, mask=merged)
+    output = call(layer, query, value, key=key, **kwargs)
     np.testing.assert_allclose(output, expected, rtol=RTOL, atol=ATOL)
-    output, scores = _call(layer, query, value, key, kwargs, scores=True)
+    output, scores = call(layer, query, value, key=key, return_attention_scores=True, **kwargs)
     np.testing.assert_allclose(output, expected, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(scores, expected_scores, rtol=RTOL, atol=ATOL)
 
@@ -374,7 +263,7 @@ def _mask_like_scores(merged, scores_shape, rank, num_key_axes):
 def test_outputs_ignore_the_values_of_masked_keys(ex):
     layer = _layer(ex)
     query, value, key, kwargs, merged, axes = _inputs(ex)
-    before = _call(layer, query, value, key, kwargs)
+    before = call(layer, query, value, key=key, **kwargs)
     if merged is None:
         return
     rng = np.random.default_rng(ex["seed"] + 2)
@@ -392,7 +281,9 @@ def test_outputs_ignore_the_values_of_masked_keys(ex):
         layout = np.where(unused[:, :, None, :, None], noise, layout)
         return _from_attention_layout(layout, with_heads.shape, axes)[..., 0, :]
 
-    after = _call(layer, query, scramble(value), None if key is None else scramble(key), kwargs)
+    after = call(
+        layer, query, scramble(value), key=None if key is None else scramble(key), **kwargs
+    )
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
 
 
@@ -401,7 +292,7 @@ def test_outputs_ignore_the_values_of_masked_keys(ex):
 def test_permuting_keys_and_values_together_changes_nothing(ex):
     layer = _layer(ex)
     query, value, key, kwargs, merged, axes = _inputs(ex)
-    before = _call(layer, query, value, key, kwargs)
+    before = call(layer, query, value, key=key, **kwargs)
     k_att = [ex["key_dims"][a - 1] for a in axes]
     permutation = np.random.default_rng(ex["seed"] + 3).permutation(math.prod(k_att))
 
@@ -424,12 +315,12 @@ def test_permuting_keys_and_values_together_changes_nothing(ex):
     for name in ("value_mask", "key_mask"):
         if name in kwargs:
             permuted[name] = permute_keys(kwargs[name], (1,))
-    after = _call(
+    after = call(
         layer,
         query,
         permute_input(value),
-        None if key is None else permute_input(key),
-        permuted,
+        key=None if key is None else permute_input(key),
+        **permuted,
     )
     np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
 
@@ -443,24 +334,9 @@ def test_reference_agrees_with_the_builtin_layer():
         num_heads=2, key_dim=3, value_dim=2, output_shape=(2, 2), attention_axes=(2,)
     )
     builtin(query, value)
-    names = ("query", "key", "value", "output")
-    weights = {}
-    for name, dense in zip(
-        names,
-        (builtin._query_dense, builtin._key_dense, builtin._value_dense, builtin._output_dense),
-    ):
-        weights[f"{name}_kernel"] = ops.convert_to_numpy(dense.kernel).astype("float64")
-        weights[f"{name}_bias"] = ops.convert_to_numpy(dense.bias).astype("float64")
     mask = rng.random((2, 3, 2, 5)) < 0.6
     output, scores = builtin(query, value, attention_mask=mask, return_attention_scores=True)
-    expected, expected_scores = reference_attention(
-        weights,
-        query.astype("float64"),
-        value.astype("float64"),
-        value.astype("float64"),
-        mask,
-        (2,),
-    )
+    expected, expected_scores = reference_mha(builtin, query, value, mask=mask)
     valid_rows = mask.any(-1)  # the built-in gives masked rows uniform weights
     score_rows = np.broadcast_to(valid_rows[:, :, None, :, None], expected_scores.shape)
     np.testing.assert_allclose(

@@ -130,7 +130,6 @@ def _cli(fresh_venv, *args, cwd):
     )
 
 
-@pytest.mark.slow
 def test_fresh_venv_with_one_backend_runs_the_command_line(fresh_venv, tmp_path):
     python = str(fresh_venv["bin"] / "python")
     absent = _python(

@@ -17,7 +17,8 @@ import keras
 import keras_upstream
 import numpy as np
 import pytest
-from helpers import random_inputs, reference_mha, to_numpy
+from helpers import random_inputs, to_numpy
+from reference import reference_mha
 
 import keras_mha
 
@@ -26,8 +27,8 @@ _GQA = keras_upstream.load("grouped_query_attention_test")
 
 _FLASH = (
     "the built-in raises for `flash_attention=True` with `dropout > 0` (at construction) "
-    "and with scores requested (at call); ours accepts both: calls that apply dropout or "
-    "return scores run the explicit kernel, others the fused one"
+    "and with scores requested (at call); ours accepts both: calls that return scores run "
+    "the explicit kernel, calls that apply dropout the chunked one, others the fused one"
 )
 
 # "<upstream class>.<test method>": (the exception it fails with on our class, why the
@@ -37,7 +38,7 @@ INTENTIONAL_DIFFERENCES = {
         AssertionError,
         _FLASH,
         (
-            "tests/test_fixes.py::test_flash_attention_with_scores_returns_scores",
+            "tests/test_layer_fixes.py::test_flash_attention_with_scores_returns_scores",
             "tests/test_upstream.py::test_flash_attention_with_dropout_is_accepted",
         ),
     ),
@@ -45,7 +46,7 @@ INTENTIONAL_DIFFERENCES = {
         AssertionError,
         _FLASH,
         (
-            "tests/test_fixes.py::test_flash_attention_with_scores_returns_scores",
+            "tests/test_layer_fixes.py::test_flash_attention_with_scores_returns_scores",
             "tests/test_upstream.py::test_flash_attention_with_dropout_is_accepted",
         ),
     ),
@@ -121,7 +122,7 @@ def test_each_intentional_difference_names_our_own_tests(key):
 # ---------------------------------------------- our behaviour where we differ on purpose
 def test_flash_attention_with_dropout_is_accepted(rng):
     """The built-in raises at construction; ours keeps both settings and applies
-    dropout in training calls (explicit kernel). Inference without scores runs the
+    dropout in training calls (chunked kernel). Inference without scores runs the
     backend's flash kernel, as the built-in's would (where the backend has one)."""
     q, v = random_inputs(rng, (2, 5, 8), (2, 6, 8))
     flash = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4, flash_attention=True, dropout=0.5)

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
+from reference import reference_mha, rms_norm
 
 import keras_mha
 from keras_mha.norms import RMSNorm
@@ -11,23 +12,6 @@ from keras_mha.norms import RMSNorm
 B, T, S, D = 2, 4, 5, 6
 HEADS, HEAD_DIM = 2, 3
 EPS = 1e-6
-
-
-def _rms(x, scale):
-    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + EPS) * scale
-
-
-def _reference(weights, query, value, kv_heads):
-    wq, bq, wk, bk, wv, bv, wo, bo, q_scale, k_scale = weights
-    q = _rms(np.einsum("btd,dnh->btnh", query, wq) + bq, q_scale)
-    k = _rms(np.einsum("bsd,dnh->bsnh", value, wk) + bk, k_scale)
-    v = np.einsum("bsd,dnh->bsnh", value, wv) + bv
-    k, v = (np.repeat(a, HEADS // kv_heads, axis=2) for a in (k, v))
-    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(HEAD_DIM)
-    weights = np.exp(logits - logits.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    context = np.einsum("bnts,bsnh->btnh", weights, v)
-    return np.einsum("btnh,nhd->btd", context, wo) + bo
 
 
 @pytest.mark.parametrize("kv_heads", [HEADS, 1], ids=["mha", "mqa"])
@@ -40,7 +24,7 @@ def test_matches_numpy_reference(rng, kv_heads):
     layer.build(query.shape, value.shape)
     weights = [rng.normal(size=w.shape).astype("float32") for w in layer.weights]
     layer.set_weights(weights)
-    expected = _reference(weights, query, value, kv_heads)
+    expected, _ = reference_mha(layer, query, value)
     np.testing.assert_allclose(ops.convert_to_numpy(layer(query, value)), expected, atol=1e-5)
     # Without the norm the result differs: the test sees whether the norm ran.
     plain = keras_mha.MultiHeadAttention(HEADS, HEAD_DIM, num_key_value_heads=kv_heads)
@@ -67,14 +51,17 @@ def test_rms_norm_layer(rng):
     norm.build(x.shape)
     scale = rng.normal(size=(5,)).astype("float32")
     norm.scale.assign(scale)
-    np.testing.assert_allclose(ops.convert_to_numpy(norm(x)), _rms(x, scale), rtol=1e-5)
+    np.testing.assert_allclose(ops.convert_to_numpy(norm(x)), rms_norm(x, scale, EPS), rtol=1e-5)
     mixed = RMSNorm(epsilon=EPS, dtype="mixed_float16")
     mixed.build(x.shape)
     mixed.scale.assign(scale)
     half = mixed(x)
     assert "float16" in str(half.dtype) and "float32" in str(mixed.scale.dtype)
     np.testing.assert_allclose(
-        ops.convert_to_numpy(ops.cast(half, "float32")), _rms(x, scale), rtol=2e-3, atol=2e-3
+        ops.convert_to_numpy(ops.cast(half, "float32")),
+        rms_norm(x, scale, EPS),
+        rtol=2e-3,
+        atol=2e-3,
     )
     assert RMSNorm.from_config(norm.get_config()).epsilon == EPS
 

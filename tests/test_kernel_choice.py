@@ -2,7 +2,7 @@
 
 The layer is run with `implementation="explicit"`, `"fused"`, `"chunked"` (with a
 small `chunk_size`, so several chunks run) and the automatic choice; each agrees with
-the explicit one and with `helpers.reference_mha`, in which a query row without keys
+the explicit one and with `reference.reference_mha`, in which a query row without keys
 gets zero weights. A spy on the kernels checks that the requested kernel really ran.
 """
 
@@ -13,10 +13,9 @@ from helpers import (
     BACKEND,
     gradients,
     random_inputs,
-    reference_attention,
-    reference_mha,
     to_numpy,
 )
+from reference import reference_attention, reference_mha
 
 import keras_mha
 from keras_mha import kernels, masks

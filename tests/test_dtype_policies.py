@@ -5,7 +5,8 @@ LoRA, int8 quantization, mixed precision (softmax in float32) and `DTypePolicyMa
 import keras
 import numpy as np
 import pytest
-from helpers import random_inputs, reference_mha, to_numpy
+from helpers import random_inputs, to_numpy
+from reference import reference_mha
 
 import keras_mha
 

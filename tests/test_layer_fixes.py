@@ -14,7 +14,8 @@ fixes the built-in does not fail these tests.
 import keras
 import numpy as np
 import pytest
-from helpers import gradients, random_inputs, reference_mha, to_numpy
+from helpers import gradients, random_inputs, to_numpy
+from reference import reference_mha
 
 import keras_mha
 

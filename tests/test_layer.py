@@ -3,7 +3,7 @@
 A named matrix of configurations and masks; for each case, on the current backend:
 ours and the built-in (same weights) agree within 1e-5 on every query row that has a
 key to attend to, with and without returned scores, and both agree with the float64
-NumPy reference in `helpers.py`. Fully-masked rows are compared in `test_fixes.py`,
+NumPy reference in `reference.py`. Fully-masked rows are compared in `test_layer_fixes.py`,
 where the built-in is known to disagree with itself.
 """
 
@@ -15,9 +15,9 @@ from helpers import (
     gradients,
     make_pair,
     random_inputs,
-    reference_mha,
     to_numpy,
 )
+from reference import reference_mha
 
 import keras_mha
 

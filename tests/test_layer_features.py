@@ -5,8 +5,9 @@ the backward pass, cached decoding, jit, saving, and their argument checks."""
 import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, gradients, reference_mha, rope, to_numpy
+from helpers import BACKEND, compiled, gradients, to_numpy
 from keras import ops
+from reference import reference_mha, rope
 
 import keras_mha
 
@@ -149,14 +150,7 @@ def test_decoding_step_compiles_once(rng):
         traces.append(1)
         return layer(token, token, cache=cache, cache_update_index=index, use_causal_mask=True)
 
-    if BACKEND == "jax":
-        import jax
-
-        step = jax.jit(step)
-    elif BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        step = tf.function(step, jit_compile=True)
+    step = compiled(step)
     cache = layer.init_cache(B, T)
     outputs = []
     for t in range(T):
