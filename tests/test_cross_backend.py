@@ -66,9 +66,7 @@ def results(saved):
 
 @pytest.mark.parametrize("target", BACKENDS)
 @pytest.mark.parametrize("source", BACKENDS)
-def test_our_layer_saved_under_source_loads_under_target_with_same_outputs(
-    results, source, target
-):
+def test_our_layer_saved_under_source_loads_under_target_with_same_outputs(results, source, target):
     result = results[target][source]
     assert result["backend"] == target
     ours = result["ours"]
@@ -79,9 +77,7 @@ def test_our_layer_saved_under_source_loads_under_target_with_same_outputs(
 
 @pytest.mark.parametrize("target", BACKENDS)
 @pytest.mark.parametrize("source", BACKENDS)
-def test_builtin_model_saved_under_source_swaps_and_compares_under_target(
-    results, source, target
-):
+def test_builtin_model_saved_under_source_swaps_and_compares_under_target(results, source, target):
     builtin = results[target][source]["builtin"]
     assert builtin["passed"] is True and builtin["swap_passed"] is True, builtin
     assert builtin["max_abs_diff"] <= 1e-4 and builtin["grad_max_abs_diff"] <= 1e-4, builtin
