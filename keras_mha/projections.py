@@ -3,10 +3,9 @@
 The layer's query, key, value and output projections (and the gate) are `Projection`s:
 same weights, same variable names, same results as Keras's `EinsumDense`.
 
-Self-attention is not fused into one `(dim, 3 * N * H)` product here: with the chunked
-attention kernel it measured a wash (0.97x-1.04x of three products, JAX `predict`, four
-sizes from B=2, T=16, dim 32 to B=4, T=512, dim 1024) and slower in training steps
-(1.21x JAX, 1.02x TensorFlow), so the three projections run as they are written.
+Self-attention is not fused into one `(dim, 3 * N * H)` product here: it measured no
+gain (benchmarks/results/README.md, "Decisions"), so the three projections run as they
+are written.
 """
 
 from keras import ops
