@@ -32,6 +32,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -262,7 +263,17 @@ def _spawn(backend, worker_args, memory_limit_gib=None, time_limit_s=None):
     for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
+    # A backend that refuses an allocation up front (XLA asks for the whole buffer at
+    # once) fails the point the same way as one that outgrows the limit.
+    refused = [line for line in stderr.splitlines() if _OUT_OF_MEMORY.search(line)]
+    if memory_limit_gib and refused:
+        return {"failed": f"out of memory ({refused[-1].strip()[-120:]})"}
     raise RuntimeError(f"{backend} {worker_args} failed:\n{stderr[-3000:]}")
+
+
+_OUT_OF_MEMORY = re.compile(
+    r"RESOURCE_EXHAUSTED|Out of memory|MemoryError|OutOfMemoryError|can.t allocate memory|bad_alloc"
+)
 
 
 def _rss_gib(pid):
@@ -283,7 +294,8 @@ def _point(backend, which, name, length, step, args, repeats=1):
 
 
 def run_backend(backend, args):
-    record = {"backend": backend}
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {"backend": backend, "started": now.strftime("%Y-%m-%d %H:%M UTC")}
     for name, pairs, steps in (
         (SHORT.name, args.pairs, "predict,train"),
         (SHORT_MASKED.name, args.pairs, "predict,train"),
@@ -339,10 +351,15 @@ def _ratio(entry):
     return f"**{entry['ratio']:.2f}x** ({low:.2f}-{high:.2f})"
 
 
+def _when(records):
+    """When each backend's run started: "tensorflow 2026-11-23 17:56 UTC, ..."."""
+    return ", ".join(f"{r['backend']} {r.get('started', '(no date)')}" for r in records)
+
+
 def markdown(records, args):
-    date = datetime.date.today().isoformat()
     lines = [
-        f"Measured {date} on {platform.machine()}, {os.cpu_count()} CPU cores, no GPU, with "
+        f"Measured ({_when(records)}) on {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"no GPU, with "
         f"`make bench` (`benchmarks/run.py`), through `predict_on_batch`/`train_on_batch`. "
         f"Ratios are ours / built-in (below 1: ours is faster or leaner); a time ratio is "
         f"that of the medians of alternated rounds, followed by the first and third "
@@ -436,9 +453,9 @@ def _slope(rows, column):
 
 
 def scaling_markdown(records, args):
-    date = datetime.date.today().isoformat()
     lines = [
-        f"Measured {date} on {platform.machine()}, {os.cpu_count()} CPU cores, no GPU, with "
+        f"Measured ({_when(records)}) on {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"no GPU, with "
         f"`make bench` (`benchmarks/run.py`). B=1, dim 256, 4 heads, a quarter of the keys "
         f"padding, causal. Time of one call after a warm-up call (ms) and peak-RSS growth "
         f"from T={SHORT_LENGTH} (MiB), a fresh process per point; a process that passed "
@@ -524,6 +541,11 @@ def main(argv=None):
     parser.add_argument("--memory-limit", type=float, default=16.0, help="GiB per process")
     parser.add_argument("--time-limit", type=float, default=900.0, help="seconds per process")
     parser.add_argument("--out", default=RESULTS)
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild the reports from OUT/raw/BACKEND.json (one file per backend's last run)",
+    )
     parser.add_argument("--worker", choices=("pairs", "point"), help="internal")
     parser.add_argument("--config", help="internal")
     parser.add_argument("--steps", help="internal")
@@ -535,8 +557,19 @@ def main(argv=None):
     if args.worker:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         return _child(args)
-    records = [run_backend(b, args) for b in args.backends]
-    os.makedirs(args.out, exist_ok=True)
+    raw = os.path.join(args.out, "raw")
+    os.makedirs(raw, exist_ok=True)
+    if not args.report_only:
+        for backend in args.backends:
+            record = run_backend(backend, args)
+            with open(os.path.join(raw, f"{backend}.json"), "w") as f:
+                json.dump(record, f, indent=1)
+    records = []
+    for backend in BACKENDS:  # every backend measured so far, in one report
+        path = os.path.join(raw, f"{backend}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                records.append(json.load(f))
     with open(os.path.join(args.out, "cpu.md"), "w") as f:
         f.write(markdown(records, args))
     with open(os.path.join(args.out, "cpu.json"), "w") as f:
