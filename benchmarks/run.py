@@ -267,7 +267,9 @@ def _spawn(backend, worker_args, memory_limit_gib=None, time_limit_s=None):
     # once) fails the point the same way as one that outgrows the limit.
     refused = [line for line in stderr.splitlines() if _OUT_OF_MEMORY.search(line)]
     if memory_limit_gib and refused:
-        return {"failed": f"out of memory ({refused[-1].strip()[-120:]})"}
+        size = re.search(r"allocat\w* (\d+) bytes", refused[-1])
+        asked = f" of {int(size.group(1)) / 2**30:.0f} GiB" if size else ""
+        return {"failed": f"out of memory (an allocation{asked} refused)"}
     raise RuntimeError(f"{backend} {worker_args} failed:\n{stderr[-3000:]}")
 
 

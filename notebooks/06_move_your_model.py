@@ -31,7 +31,7 @@ from keras import layers
 import keras_mha
 from keras_mha import swapping
 
-print("backend:", keras.backend.backend())
+print("Keras backend:", keras.backend.backend(), "| keras", keras.__version__)
 workdir = tempfile.mkdtemp(prefix="move-your-model-")
 
 # %% [markdown]
@@ -187,9 +187,19 @@ status = keras_mha_cli(
     keras.backend.backend(),
     "--repeats",
     "3",
+    "--plot",
+    "compare-model.png",
 )
 print("exit status:", status)
 assert status == 0
+
+# %% [markdown]
+# `--plot` draws the time and memory ratios (ours / built-in) of the model:
+
+# %%
+from IPython.display import Image  # noqa: E402
+
+Image(filename=os.path.join(workdir, "compare-model.png"))
 
 # %% [markdown]
 # A usage error is one line naming what is wrong, with exit status 2; nothing is

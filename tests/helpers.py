@@ -147,9 +147,8 @@ def value_and_grads(fn, arrays):
     elif BACKEND == "jax":
         import jax
 
-        # One compiled graph: much faster on CPU than op-by-op eager dispatch.
         argnums = tuple(range(len(arrays)))
-        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(
+        (_, out), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(
             *[jax.numpy.asarray(a) for a in arrays]
         )
     else:
