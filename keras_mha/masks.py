@@ -86,10 +86,10 @@ class AttentionMask:
         """
         parts = []
         if self.query_valid is not None:
-            rows = _slice(self.query_valid, 1, query_start, query_size)
+            rows = slice_along(self.query_valid, 1, query_start, query_size)
             parts.append(rows[:, None, :, None])
         if self.key_valid is not None:
-            cols = _slice(self.key_valid, 1, key_start, key_size)
+            cols = slice_along(self.key_valid, 1, key_start, key_size)
             parts.append(cols[:, None, None, :])
         if self.causal or self.window is not None:
             rows, cols = self._positions(query_start, query_size, key_start, key_size)
@@ -98,12 +98,7 @@ class AttentionMask:
             if self.window is not None:
                 parts.append(ops.less(ops.abs(rows - cols), self.window))
         if self.dense is not None:
-            dense = self.dense
-            if dense.shape[2] != 1:
-                dense = _slice(dense, 2, query_start, query_size)
-            if dense.shape[3] != 1:
-                dense = _slice(dense, 3, key_start, key_size)
-            parts.append(dense)
+            parts.append(block_of(self.dense, query_start, query_size, key_start, key_size))
         return logical_and(*parts)
 
     def _positions(self, query_start, query_size, key_start, key_size):
@@ -251,12 +246,29 @@ def expand_to_scores(mask, scores_rank, num_attention_axes):
     return mask
 
 
-def _slice(x, axis, start, size):
-    """`x[..., start:start + size, ...]` along `axis`; `size=None` keeps all from 0."""
-    if size is None or (isinstance(start, int) and start == 0 and x.shape[axis] == size):
+def slice_along(x, axis, start, size):
+    """`x[..., start:start + size, ...]` along `axis`; `size=None` keeps the rest.
+
+    Returns `x` itself when the slice is all of it (no copy)."""
+    static_start = isinstance(start, int)
+    if size is None:
+        return (
+            x if static_start and start == 0 else x[(slice(None),) * axis + (slice(start, None),)]
+        )
+    if static_start and start == 0 and x.shape[axis] == size:
         return x
     starts = [0] * len(x.shape)
     starts[axis] = start
     shape = list(ops.shape(x))
     shape[axis] = size
     return ops.slice(x, starts, shape)
+
+
+def block_of(x, query_start, query_size, key_start, key_size):
+    """The `(query, key)` block of a rank-4 tensor broadcastable to `(B, N, T, S)` (a
+    dense mask, an attention bias); a broadcast axis of 1 stays as it is."""
+    if x.shape[2] != 1:
+        x = slice_along(x, 2, query_start, query_size)
+    if x.shape[3] != 1:
+        x = slice_along(x, 3, key_start, key_size)
+    return x

@@ -28,6 +28,7 @@ from typing import Any
 
 from keras import backend, ops
 
+from keras_mha import masks
 from keras_mha.kernels import logits as logits_lib
 
 
@@ -196,19 +197,19 @@ class _Block:
     def __init__(self, inputs, start, size, lo, keys):
         self.inputs, self.start, self.lo, self.keys = inputs, start, lo, keys
         self.size = inputs.query_length if size is None else size
-        self.query = _slice(inputs.q, 2, start, size)
+        self.query = masks.slice_along(inputs.q, 2, start, size)
 
     def logits(self):
         """Float32 logits `(B, N, q, k)`, the block's mask, and `tanh(x / cap)`."""
         inputs, options = self.inputs, self.inputs.options
         keys = ops.shape(inputs.key_t)[3] if self.keys is None else self.keys
-        x = logits_lib.logits(self.query, _slice(inputs.key_t, 3, self.lo, self.keys))
+        x = logits_lib.logits(self.query, masks.slice_along(inputs.key_t, 3, self.lo, self.keys))
         squashed = None
         if options.soft_cap is not None:
             x, squashed = logits_lib.soft_cap(x, options.soft_cap)
         if inputs.bias is not None:
             x = x + ops.cast(
-                _bias_block(inputs.bias, self.start, self.size, self.lo, keys), "float32"
+                masks.block_of(inputs.bias, self.start, self.size, self.lo, keys), "float32"
             )
         mask = None
         if options.mask is not None:
@@ -216,7 +217,7 @@ class _Block:
         return x, mask, squashed
 
     def values(self):
-        return _slice(self.inputs.v, 2, self.lo, self.keys)
+        return masks.slice_along(self.inputs.v, 2, self.lo, self.keys)
 
     def dropped(self, weights):
         """`weights` with this block's dropout applied (kept ones scaled up)."""
@@ -286,7 +287,7 @@ def _backward_chunk(block, d_out, correction, logsumexp):
     d_weights = block.dropped(_matmul(d_out, ops.transpose(values, (0, 1, 3, 2))))
     d_logits = weights * (d_weights - correction)
     d_raw = d_logits if squashed is None else d_logits * (1.0 - ops.square(squashed))
-    keys_t = _slice(inputs.key_t, 3, block.lo, block.keys)
+    keys_t = masks.slice_along(inputs.key_t, 3, block.lo, block.keys)
     d_query = ops.einsum("bnqk,bnhk->bnqh", ops.cast(d_raw, inputs.q.dtype), keys_t)
     d_query = ops.cast(d_query, "float32")
     d_key = _matmul_t(d_raw, block.query, inputs.q.dtype)
@@ -306,7 +307,7 @@ def _backward(plan, inputs, output, logsumexp, upstream):
 
     def visit(start, size, lo, hi, state):
         block = inputs.block(start, size, lo, _width(lo, hi))
-        rows = [_slice(t, 2, start, size) for t in (d_out, correction, logsumexp)]
+        rows = [masks.slice_along(t, 2, start, size) for t in (d_out, correction, logsumexp)]
         return total.add(state, block, _backward_chunk(block, *rows))
 
     if plan.loop:
@@ -510,14 +511,6 @@ def _matmul_t(a, b, dtype):
     )
 
 
-def _bias_block(bias, start, size, lo, keys):
-    if bias.shape[2] != 1:
-        bias = _slice(bias, 2, start, size)
-    if bias.shape[3] != 1:
-        bias = _slice(bias, 3, lo, keys)
-    return bias
-
-
 def _as_tensor(x):
     """`x` as a tensor, not a variable: TensorFlow's custom gradients reject functions
     that read variables (the gradient still reaches the variable through the read)."""
@@ -535,22 +528,6 @@ def _rank4(bias):
 
 def _concat(parts, axis):
     return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
-
-
-def _slice(x, axis, start, size):
-    """`x[..., start:start + size, ...]` along `axis`; `size=None` keeps the rest."""
-    static_start = isinstance(start, int)
-    if size is None:
-        return (
-            x if static_start and start == 0 else x[(slice(None),) * axis + (slice(start, None),)]
-        )
-    if static_start and start == 0 and x.shape[axis] == size:
-        return x
-    starts = [0] * len(x.shape)
-    starts[axis] = start
-    shape = list(ops.shape(x))
-    shape[axis] = size
-    return ops.slice(x, starts, shape)
 
 
 def _after(outputs, index, in_flight):

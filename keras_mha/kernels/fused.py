@@ -89,11 +89,11 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         kernel_mask, valid = _unmask_empty_rows(block)
         chunk_bias = None
         if bias is not None:
-            chunk_bias = _slice(_slice(bias, 2, start, size), 3, lo, hi - lo)
+            chunk_bias = masks_lib.block_of(bias, start, size, lo, hi - lo)
         output = run(
-            _slice(query, 1, start, size),
-            _slice(key, 1, lo, hi - lo),
-            _slice(value, 1, lo, hi - lo),
+            masks_lib.slice_along(query, 1, start, size),
+            masks_lib.slice_along(key, 1, lo, hi - lo),
+            masks_lib.slice_along(value, 1, lo, hi - lo),
             kernel_mask,
             valid,
             False,
@@ -131,17 +131,6 @@ class _Kernel:
         if valid is not None:
             output = ops.where(ops.transpose(valid, (0, 2, 1, 3)), output, 0.0)
         return output
-
-
-def _slice(x, axis, start, size):
-    """`x[..., start:start + size, ...]` along `axis` (a broadcast axis of 1 stays)."""
-    if x.shape[axis] == 1 or (isinstance(start, int) and start == 0 and x.shape[axis] == size):
-        return x
-    starts = [0] * len(x.shape)
-    starts[axis] = start
-    shape = list(ops.shape(x))
-    shape[axis] = size
-    return ops.slice(x, starts, shape)
 
 
 def _torch_attention(query, key, value, *, mask, bias, scale, is_causal):
