@@ -77,7 +77,10 @@ def _run(fmt, path, data):
     if fmt == "openvino":
         import openvino
 
-        compiled = openvino.Core().compile_model(str(path), "CPU")
+        # Full float32: on CPUs with bfloat16 units OpenVINO computes in bfloat16 by default.
+        compiled = openvino.Core().compile_model(
+            str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+        )
         return compiled(data)[0]
     if fmt == "litert":
         from ai_edge_litert.interpreter import Interpreter
