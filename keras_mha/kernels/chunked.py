@@ -246,12 +246,13 @@ def _forward(plan, inputs):
     """`(output, logsumexp)`: `(B, N, T, Hv)` and `(B, N, T, 1)`, float32."""
     if plan.loop:
         return _forward_loop(plan, inputs)
-    outputs, logsumexps = [], []
+    outputs, logsumexps, done = [], [], []
     for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
-        with _after(outputs, i, plan.in_flight):
+        with _after(done, i, plan.in_flight):
             output, logsumexp = _forward_chunk(inputs.block(start, size, lo, _width(lo, hi)))
         outputs.append(output)
         logsumexps.append(logsumexp)
+        done.append([output, logsumexp])
     return plan.concat(outputs), plan.concat(logsumexps)
 
 
