@@ -61,9 +61,11 @@ class AttentionMask:
 
     def key_range(self, query_start, query_size, key_length):
         """`(lo, hi)`: the keys that queries `[query_start, query_start + query_size)`
-        may see at all, by causality and the window; static ints.
+        may see at all, by causality and the window.
 
-        The whole `(0, key_length)` when the offset or a length is not static.
+        Static ints for static arguments; scalar tensors where the start or a length is
+        one (a chunk of a graph loop). The whole `(0, key_length)` when the offset is
+        not static or a length is `None`.
         """
         offset = self.static_offset
         if offset is None or query_size is None or key_length is None:
@@ -71,12 +73,14 @@ class AttentionMask:
         lo, hi = 0, key_length
         last = query_start + query_size - 1 + offset
         if self.causal:
-            hi = min(hi, last + 1)
+            hi = _minimum(hi, last + 1)
         if self.window is not None:
-            hi = min(hi, last + self.window)
-            lo = max(lo, query_start + offset - self.window + 1)
-        hi = max(0, hi)
-        return min(lo, hi), hi
+            hi = _minimum(hi, last + self.window)
+            lo = _maximum(lo, query_start + offset - self.window + 1)
+        hi = _maximum(0, hi)
+        if isinstance(lo, int) and lo == 0:  # hi >= 0
+            return 0, hi
+        return _minimum(lo, hi), hi
 
     def block(self, query_start, query_size, key_start, key_size):
         """The mask of queries `[query_start, +query_size)` against keys
@@ -246,6 +250,14 @@ def expand_to_scores(mask, scores_rank, num_attention_axes):
     return mask
 
 
+def _minimum(a, b):
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else ops.minimum(a, b)
+
+
+def _maximum(a, b):
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else ops.maximum(a, b)
+
+
 def slice_along(x, axis, start, size):
     """`x[..., start:start + size, ...]` along `axis`; `size=None` keeps the rest.
 
@@ -255,7 +267,7 @@ def slice_along(x, axis, start, size):
         return (
             x if static_start and start == 0 else x[(slice(None),) * axis + (slice(start, None),)]
         )
-    if static_start and start == 0 and x.shape[axis] == size:
+    if static_start and start == 0 and isinstance(size, int) and x.shape[axis] == size:
         return x
     starts = [0] * len(x.shape)
     starts[axis] = start

@@ -3,10 +3,14 @@ still exists and still means what we use it for. A Keras upgrade that moves or c
 it fails here, by name, before anything subtler fails elsewhere."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 
 from keras_mha import _keras_private
 
@@ -65,3 +69,26 @@ def test_our_private_attributes_do_not_shadow_keras_ones():
     layer.build((None, 3))
     assert not hasattr(layer, "_built_shapes")
     assert not hasattr(keras.layers.Layer, "_built_shapes")
+
+
+@pytest.mark.once
+def test_tensorflow_says_when_it_traces_for_xla():
+    """A TensorFlow process (any backend's run would import it anyway) tells a graph
+    XLA compiles from a plain graph and from eager execution."""
+    script = (
+        "import tensorflow as tf\n"
+        "from keras_mha import _keras_private as p\n"
+        "seen = []\n"
+        "def f(x):\n"
+        "    seen.append(p.tensorflow_xla_tracing())\n"
+        "    return x\n"
+        "tf.function(f, jit_compile=True)(tf.ones(1))\n"
+        "tf.function(f)(tf.ones(1))\n"
+        "f(tf.ones(1))\n"
+        "print(seen)\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    assert result.stdout.strip().splitlines()[-1] == "[True, False, False]"

@@ -83,7 +83,8 @@ def _run(kernel, mask, extras=None, **options):
             return out
         if kernel == "fused":
             return fused.attention(q, k, v, chunk_size=4, **kwargs)
-        return chunked.attention(q, k, v, chunk_size=4, loop=kernel == "looped", **kwargs)
+        loop, dynamic = kernel in ("looped", "dynamic"), kernel == "dynamic"
+        return chunked.attention(q, k, v, chunk_size=4, loop=loop, dynamic=dynamic, **kwargs)
 
     return fn
 
@@ -99,7 +100,9 @@ def _assert_same(kernel, mask, arrays, extras=None, **options):
 
 
 # --------------------------------------------------------------------------- tests
-CHUNKED = ["chunked", "looped"]  # chunks unrolled (each sees its key range) or in a loop
+# Chunks unrolled (each sees its key range), in a loop (each sees every key), or in a
+# dynamic loop (each sees its key range; not on JAX, whose shapes are static).
+CHUNKED = ["chunked", "looped"] + (["dynamic"] if BACKEND != "jax" else [])
 
 
 @pytest.mark.parametrize("kernel", CHUNKED)
@@ -117,7 +120,7 @@ def test_chunked_logit_features_match_explicit(rng, kernel, masking):
     bias = rng.standard_normal((1, N, T, T + 2)).astype("float32")
     sinks = rng.standard_normal((N,)).astype("float32")
     mask = MASKS[masking](T, T + 2)
-    _assert_same("chunked", mask, (q, k, v, bias, sinks), ("bias", "sinks"), soft_cap=2.0)
+    _assert_same(kernel, mask, (q, k, v, bias, sinks), ("bias", "sinks"), soft_cap=2.0)
 
 
 @pytest.mark.parametrize("kernel", CHUNKED)
@@ -226,11 +229,87 @@ def test_chunked_skips_keys_no_query_sees(rng, monkeypatch):
     assert widths == [12, 8, 4]  # the chunk with the most keys goes first
 
 
-def test_unknown_query_length_is_one_chunk():
-    """Symbolic `T` (a functional model with `(None, dim)` inputs) traces one chunk."""
+def test_unknown_query_length_is_one_chunk_unless_the_loop_is_dynamic():
+    """Symbolic `T` (a functional model with `(None, dim)` inputs) traces one chunk;
+    a dynamic loop chunks it all the same."""
     q = keras.Input((None, N, H))
-    plan = chunked._Plan.make(q, q, masks.AttentionMask(causal=True), 4, None, False)
-    assert plan.chunks == ((0, None),) and plan.ranges == ((0, None),)
+    causal = masks.AttentionMask(causal=True)
+    plan = chunked._Plan.make(q, q, causal, 4, None, False, False)
+    assert plan.chunks == ((0, None),) and plan.ranges == ((0, None),) and not plan.loop
+    assert chunked._Plan.make(q, q, causal, 4, None, True, True).loop
+
+
+def test_dynamic_loop_is_refused_where_shapes_are_static(rng):
+    q, k, v = _inputs(rng)
+    if BACKEND == "jax":
+        with pytest.raises(ValueError, match="dynamic shapes"):
+            chunked.attention(q, k, v, scale=0.5, loop=True, dynamic=True)
+    else:  # TensorFlow graphs and torch take tensors of changing size
+        chunked.attention(q, k, v, scale=0.5, loop=True, dynamic=True)
+
+
+def _compiled_value_and_grads(fn, arrays, how):
+    """`value_and_grads` with the forward and backward in one compiled step: `how` is
+    "graph" (TensorFlow: `tf.function`; JAX: `jax.jit`), "xla" (`jit_compile=True`;
+    `jax.jit`) or "unknown-length" (TensorFlow traces `T` as `None`). Torch runs it
+    eagerly."""
+    if BACKEND == "torch":
+        return value_and_grads(fn, arrays)
+    weights = np.random.default_rng(7).standard_normal(arrays[0].shape[:3] + (H,))
+    weights = weights.astype("float32")
+    if BACKEND == "jax":
+        import jax
+
+        def loss(*tensors):
+            out = fn(*tensors)
+            return ops.sum(out * weights), out
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+        (_, out), grads = step(*arrays)
+        return to_numpy(out), [to_numpy(g) for g in grads]
+    import tensorflow as tf
+
+    def tf_step(*tensors):
+        with tf.GradientTape() as tape:
+            tape.watch(tensors)
+            out = fn(*tensors)
+            value = tf.reduce_sum(out * weights)
+        return out, tape.gradient(value, tensors)
+
+    specs = None
+    if how == "unknown-length":
+        specs = [tf.TensorSpec((B, None) + a.shape[2:], "float32") for a in arrays]
+    step = tf.function(tf_step, jit_compile=how == "xla", input_signature=specs)
+    out, grads = step(*arrays)
+    return to_numpy(out), [to_numpy(g) for g in grads]
+
+
+@pytest.mark.parametrize("how", ["graph", "xla", "unknown-length"])
+@pytest.mark.parametrize("masking", ["causal+padding", "offset", "dense-heads+causal", "no-keys"])
+def test_policy_kernel_in_a_compiled_step_matches_explicit(rng, masking, how):
+    """The chunked kernel as the backend's policy runs it (TensorFlow: the dynamic
+    loop in a graph, the static one under XLA), forward and backward in one step."""
+    arrays = _inputs(rng)
+    mask = MASKS[masking](T, T)
+    expected, expected_grads = value_and_grads(_run("explicit", mask), arrays)
+
+    def fn(q, k, v):
+        out, _ = kernels.attention(
+            q,
+            k,
+            v,
+            scale=H**-0.5,
+            equations=EQUATIONS,
+            mask=_tensorize(mask),
+            implementation="chunked",
+            chunk_size=4,
+        )
+        return out
+
+    out, grads = _compiled_value_and_grads(fn, arrays, how)
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want, atol=ATOL)
 
 
 # ------------------------------------------------------------------------- policy

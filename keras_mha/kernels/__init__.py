@@ -111,6 +111,7 @@ def attention(
         chunk_size=chunk_size or rules.chunk_size,
         in_flight=rules.in_flight,
         loop=rules.loop,
+        dynamic=policy.dynamic_loop(rules),
         differentiable=rules.trains,
     )
     return output, None

@@ -47,6 +47,7 @@ def attention(
     chunk_size=256,
     in_flight=None,
     loop=False,
+    dynamic=False,
     differentiable=True,
 ):
     """Returns the output `(B, T, N, Hv)` in the value's dtype.
@@ -61,12 +62,17 @@ def attention(
         dropout: attention dropout rate; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask.
         chunk_size: query rows per chunk.
-        in_flight: how many unrolled chunks of the forward pass may run at once
-            (TensorFlow graphs); the backward runs one at a time.
+        in_flight: how many chunks of the forward pass may run at once (TensorFlow
+            graphs); the backward runs one at a time.
         loop: visit the chunks in a compiled loop rather than unrolled.
+        dynamic: the loop's chunks take tensors whose size changes from chunk to
+            chunk (TensorFlow graphs): each sees only its key range, and a `T`
+            unknown when tracing is chunked too.
         differentiable: use the custom backward (backends that train).
     """
-    plan = _Plan.make(query, key, mask, chunk_size, in_flight, loop)
+    if dynamic and backend.backend() == "jax":
+        raise ValueError("The chunked kernel's dynamic loop needs dynamic shapes; JAX has none.")
+    plan = _Plan.make(query, key, mask, chunk_size, in_flight, loop, dynamic)
     options = _Options(scale, mask, soft_cap, dropout if seed is not None else 0.0, seed)
     tensors = [query, key, value]
     if bias is not None:
@@ -112,17 +118,20 @@ class _Options:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """The static layout: query chunks and the key range each one sees."""
+    """The layout: query chunks and the key range each one sees."""
 
-    chunks: tuple  # ((start, size), ...); size `None` for an unknown `T`
-    ranges: tuple  # ((lo, hi), ...) per chunk; `hi` `None` for an unknown `S`
+    chunks: tuple  # unrolled: ((start, size), ...); size `None` for an unknown `T`
+    ranges: tuple  # unrolled: ((lo, hi), ...) per chunk; `hi` `None` for an unknown `S`
     key_length: Any  # static `S` or `None`
     query_length: Any  # static `T` or `None`
+    chunk_size: int
     in_flight: Any
-    loop: bool  # the whole chunks run in a loop, the rest (if any) after it
+    loop: bool  # the chunks run in a loop (the rest of a static loop, if any, before it)
+    dynamic: bool  # the loop's chunks see only their key range; `T` may be unknown
+    mask: Any
 
     @classmethod
-    def make(cls, query, key, mask, chunk_size, in_flight, loop):
+    def make(cls, query, key, mask, chunk_size, in_flight, loop, dynamic):
         # Symbolic lengths (torch.export, jax.export) count as unknown: no guards.
         query_length, key_length = (_static(x.shape[1]) for x in (query, key))
         if query_length is None:
@@ -130,28 +139,49 @@ class _Plan:
         else:
             starts = range(0, query_length, chunk_size)
             chunks = tuple((s, min(chunk_size, query_length - s)) for s in starts) or ((0, 0),)
-        loop = loop and len(chunks) > 1
+        dynamic = loop and dynamic
+        loop = dynamic or (loop and len(chunks) > 1)
         if not loop:
             # Unrolled, the last chunk (the most keys) goes first: each chunk's buffers
             # are then no larger than freed ones, which malloc reuses instead of
             # growing the heap by every chunk's new, larger size.
             chunks = chunks[::-1]
-        ranges = tuple(
-            (0, key_length) if mask is None or loop else mask.key_range(start, size, key_length)
-            for start, size in chunks
-        )
-        return cls(chunks, ranges, key_length, query_length, in_flight, loop)
+        plan = cls(chunks, (), key_length, query_length, chunk_size, in_flight, loop, dynamic, mask)
+        ranges = tuple(plan.key_range(start, size) for start, size in chunks)
+        return dataclasses.replace(plan, ranges=ranges)
+
+    def key_range(self, start, size):
+        """`(lo, hi)` of the keys queries `[start, start + size)` see; `hi` `None` for
+        an unknown `S`. A static loop's chunks see every key."""
+        if self.mask is None or (self.loop and not self.dynamic):
+            return 0, self.key_length
+        return self.mask.key_range(start, size, self.key_length)
 
     def concat(self, parts):
         """The chunks' parts, in the order the chunks were visited, along the queries."""
         order = sorted(range(len(parts)), key=lambda i: self.chunks[i][0])
         return _concat([parts[i] for i in order], 2)
 
-    def looped(self):
-        """`(count, size)` of the equal chunks the loop visits, and the static rest."""
-        size = self.chunks[0][1]
-        count = self.query_length // size
-        return count, size, self.chunks[count:]
+    def looped(self, query_length):
+        """`(count, chunk, rest)`: the loop visits chunks `chunk(i)`, `i < count`, as
+        `(start, size)`, the last queries (the most keys) first; `rest` are the static
+        chunks visited before it. `query_length`: `T`, a tensor if unknown.
+
+        Static: `count` equal chunks and the rest. Dynamic: every chunk, the first
+        queries' chunk the smaller one.
+        """
+        size = self.chunk_size
+        if not self.dynamic:
+            count = self.query_length // size
+            return count, lambda i: ((count - 1 - i) * size, size), self.chunks[count:]
+        count = (query_length + size - 1) // size
+
+        def chunk(i):
+            end = query_length - i * size
+            start = ops.maximum(end - size, 0)
+            return start, end - start
+
+        return count, chunk, ()
 
 
 class _Inputs:
@@ -257,20 +287,25 @@ def _forward(plan, inputs):
 
 
 def _forward_loop(plan, inputs):
-    count, size, rest = plan.looped()
     shape = ops.shape(inputs.q)
     output = ops.zeros((shape[0], shape[1], shape[2], ops.shape(inputs.v)[3]), "float32")
     logsumexp = ops.zeros((shape[0], shape[1], shape[2], 1), "float32")
 
     def visit(start, size, state):
         output, logsumexp = state
-        chunk, chunk_logsumexp = _forward_chunk(inputs.block(start, size, 0, plan.key_length))
-        return _put(output, chunk, start), _put(logsumexp, chunk_logsumexp, start)
+        lo, hi = plan.key_range(start, size)
+        chunk, chunk_logsumexp = _forward_chunk(inputs.block(start, size, lo, _width(lo, hi)))
+        rows, padded = [0, 0, start, 0], plan.dynamic
+        return (
+            _add_at(output, chunk, rows, padded),
+            _add_at(logsumexp, chunk_logsumexp, rows, padded),
+        )
 
-    state = ops.fori_loop(0, count, lambda i, s: visit(i * size, size, s), (output, logsumexp))
-    for start, rest_size in rest:
-        state = visit(start, rest_size, state)
-    return state
+    count, chunk, rest = plan.looped(shape[2])
+    state = (output, logsumexp)
+    for start, size in rest:
+        state = visit(start, size, state)
+    return _loop(count, lambda i, s: visit(*chunk(i), s), state, plan.in_flight)
 
 
 # ------------------------------------------------------------------------ backward
@@ -312,15 +347,16 @@ def _backward(plan, inputs, output, logsumexp, upstream):
         return total.add(state, block, _backward_chunk(block, *rows))
 
     if plan.loop:
-        count, size, rest = plan.looped()
-        state = ops.fori_loop(
-            0,
-            count,
-            lambda i, s: visit(i * size, size, 0, plan.key_length, s),
-            total.zeros(),
-        )
-        for start, rest_size in rest:
-            state = visit(start, rest_size, 0, plan.key_length, state)
+        count, chunk, rest = plan.looped(inputs.query_length)
+        state = total.zeros()
+        for start, size in rest:
+            state = visit(start, size, *plan.key_range(start, size), state)
+
+        def step(i, state):
+            start, size = chunk(i)
+            return visit(start, size, *plan.key_range(start, size), state)
+
+        state = _loop(count, step, state, 1)
     else:
         state = None
         for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
@@ -340,7 +376,8 @@ def _backward(plan, inputs, output, logsumexp, upstream):
 class _Gradients:
     """Sums the chunks' gradients.
 
-    In a loop, the state is full-size buffers (updated in place by XLA). Unrolled,
+    In a loop, the state is full-size buffers, each chunk's part added at its rows
+    and key range (in place under XLA). Unrolled,
     the query gradients are kept per chunk and the key and value gradients summed
     over growing key prefixes (`_KeySum`).
     """
@@ -353,11 +390,11 @@ class _Gradients:
     def zeros(self):
         inputs = self.inputs
         shape = tuple(ops.shape(inputs.q))
-        value_channels = ops.shape(inputs.v)[3]
+        keys = ops.shape(inputs.key_t)[3]
         state = [
             ops.zeros(shape, "float32"),
-            ops.zeros(shape[:2] + (self.plan.key_length, shape[3]), "float32"),
-            ops.zeros(shape[:2] + (self.plan.key_length, value_channels), "float32"),
+            ops.zeros(shape[:2] + (keys, shape[3]), "float32"),
+            ops.zeros(shape[:2] + (keys, ops.shape(inputs.v)[3]), "float32"),
             None if inputs.bias is None else ops.zeros(ops.shape(inputs.bias), "float32"),
             None if inputs.sink is None else ops.zeros(ops.shape(inputs.sinks), "float32"),
         ]
@@ -379,16 +416,15 @@ class _Gradients:
         return state
 
     def _add_in_place(self, state, block, d_query, d_key, d_value, d_bias, d_sink):
-        state = list(state)
-        state[0] = _put(state[0], d_query, block.start)
-        state[1] = state[1] + d_key
-        state[2] = state[2] + d_value
+        state, padded = list(state), self.plan.dynamic
+        state[0] = _add_at(state[0], d_query, [0, 0, block.start, 0], padded)
+        state[1] = _add_at(state[1], d_key, [0, 0, block.lo, 0], padded)
+        state[2] = _add_at(state[2], d_value, [0, 0, block.lo, 0], padded)
         i = 3
         if d_bias is not None:
-            if self.bias_shape[2] != 1:
-                state[i] = _put(state[i], d_bias, block.start)
-            else:
-                state[i] = state[i] + d_bias
+            rows = block.start if self.bias_shape[2] != 1 else 0
+            keys = block.lo if self.bias_shape[3] != 1 else 0
+            state[i] = _add_at(state[i], d_bias, [0, 0, rows, keys], padded)
             i += 1
         if d_sink is not None:
             state[i] = state[i] + d_sink
@@ -491,9 +527,33 @@ def _pad_keys(x, before, after):
     return ops.pad(x, [(0, 0), (0, 0), (before, after), (0, 0)])
 
 
-def _put(buffer, chunk, start):
-    """`buffer` with `chunk` written at rows `start ...` (axis 2)."""
-    return ops.slice_update(buffer, [0, 0, start, 0], chunk)
+def _add_at(buffer, part, starts, padded):
+    """`buffer` plus `part` placed at `starts` (zeros elsewhere): a loop's running
+    sums, and its rows, each written once into zeros. `padded`: as a sum with `part`
+    padded to the buffer's shape (a dynamic loop: TensorFlow's slice update is an XLA
+    op, compiled on the CPU for every shape of `part`)."""
+    same = tuple(part.shape) == tuple(buffer.shape) and None not in tuple(part.shape)
+    if same and all(isinstance(s, int) and s == 0 for s in starts):
+        return buffer + part
+    if padded:
+        sizes, totals = ops.shape(part), ops.shape(buffer)
+        return buffer + ops.pad(part, [(s, t - s - n) for s, t, n in zip(starts, totals, sizes)])
+    return ops.slice_update(buffer, starts, ops.slice(buffer, starts, ops.shape(part)) + part)
+
+
+def _loop(count, body, state, in_flight):
+    """`state` after `body(i, state)` for `i < count`; TensorFlow graphs run at most
+    `in_flight` iterations at once (its while loop would start ten)."""
+    if backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.while_loop(
+            lambda i, _: i < count,
+            lambda i, s: (i + 1, body(i, s)),
+            (0, state),
+            parallel_iterations=in_flight or 1,
+        )[1]
+    return ops.fori_loop(0, count, body, state)
 
 
 def _from_heads(x, dtype):

@@ -52,7 +52,7 @@ def softmax(x, mask, axes, sinks=None):
     """
     if mask is not None:
         x = ops.where(mask, x, MASKED)
-    if sinks is None and len(axes) == 1 and len(x.shape) <= 5:
+    if sinks is None and len(axes) == 1 and len(x.shape) <= 5 and x.shape[axes[0]] != 1:
         # The backends' fused softmax: one pass (TensorFlow's CPU kernel takes rank <= 5).
         weights = ops.softmax(x, axis=axes[0])
         if mask is not None:  # masked entries, and every entry of a key-less row

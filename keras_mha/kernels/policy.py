@@ -22,7 +22,7 @@ class Policy:
             "fused" (the backend's own kernel), "chunked" or "explicit".
         chunk_size: query rows per chunk of the chunked kernel (the layer's
             `chunk_size=None`).
-        in_flight: how many unrolled query chunks of a forward pass may run at once;
+        in_flight: how many query chunks of a forward pass may run at once;
             `None` for no limit. TensorFlow's graph executor otherwise starts every
             chunk together and the memory saving is gone; two overlap one chunk's
             softmax with the next one's matmul.
@@ -30,6 +30,11 @@ class Policy:
             unrolling them. XLA schedules unrolled chunks together and keeps all
             their buffers; in a loop each chunk sees every key (masked), so a
             causal call does the whole `T x S` work instead of half.
+        dynamic: the loop's chunks take tensors whose size changes from chunk to
+            chunk (a TensorFlow graph's while loop; XLA's shapes are static): each
+            chunk then sees only the keys it can attend to, and a `T` unknown when
+            tracing is chunked too. An unrolled graph holds every chunk's ops,
+            and TensorFlow keeps its traced graph and constant-folded masks.
         trains: the backend computes gradients (the chunked kernel then brings
             its own memory-lean backward).
         in_place_bias: the projections add their bias into the fresh product in
@@ -44,6 +49,7 @@ class Policy:
     chunk_size: int = 256
     in_flight: int | None = None
     loop: bool = False
+    dynamic: bool = False
     trains: bool = True
     in_place_bias: bool = False
     fused_float16: bool = False
@@ -52,8 +58,8 @@ class Policy:
 # (backend, device) -> Policy. The measurements behind each entry are in
 # benchmarks/results (see its README); `make bench` re-measures them.
 POLICIES = {
-    ("tensorflow", "cpu"): Policy("chunked", chunk_size=128, in_flight=2),
-    ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2),
+    ("tensorflow", "cpu"): Policy("chunked", chunk_size=128, in_flight=2, loop=True, dynamic=True),
+    ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
     ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
     ("jax", "gpu"): Policy("fused", chunk_size=512, loop=True, fused_float16=True),
     ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
@@ -85,6 +91,19 @@ def _device(name):
 
         return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
     return "cpu"
+
+
+def dynamic_loop(policy):
+    """The policy's `dynamic`, unless XLA compiles the graph being traced (TensorFlow's
+    `jit_compile=True`, Keras's default there with a GPU): XLA's shapes are static,
+    so the loop's chunks then see every key, as on JAX."""
+    if not policy.dynamic:
+        return False
+    if backend.backend() == "tensorflow":
+        from keras_mha import _keras_private
+
+        return not _keras_private.tensorflow_xla_tracing()
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
