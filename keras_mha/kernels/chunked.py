@@ -288,24 +288,55 @@ def _forward(plan, inputs):
 
 def _forward_loop(plan, inputs):
     shape = ops.shape(inputs.q)
-    output = ops.zeros((shape[0], shape[1], shape[2], ops.shape(inputs.v)[3]), "float32")
-    logsumexp = ops.zeros((shape[0], shape[1], shape[2], 1), "float32")
+    count, chunk, rest = plan.looped(shape[2])
+    rows = _Rows(plan, count)
+    output = rows.empty((shape[0], shape[1], shape[2], ops.shape(inputs.v)[3]))
+    logsumexp = rows.empty((shape[0], shape[1], shape[2], 1))
 
-    def visit(start, size, state):
+    def visit(start, size, state, i=None):
         output, logsumexp = state
         lo, hi = plan.key_range(start, size)
         chunk, chunk_logsumexp = _forward_chunk(inputs.block(start, size, lo, _width(lo, hi)))
-        rows, padded = [0, 0, start, 0], plan.dynamic
-        return (
-            _add_at(output, chunk, rows, padded),
-            _add_at(logsumexp, chunk_logsumexp, rows, padded),
-        )
+        return rows.put(output, chunk, start, i), rows.put(logsumexp, chunk_logsumexp, start, i)
 
-    count, chunk, rest = plan.looped(shape[2])
     state = (output, logsumexp)
     for start, size in rest:
         state = visit(start, size, state)
-    return _loop(count, lambda i, s: visit(*chunk(i), s), state, plan.in_flight)
+    state = _loop(count, lambda i, s: visit(*chunk(i), s, i), state, plan.in_flight)
+    return tuple(rows.join(x) for x in state)
+
+
+class _Rows:
+    """A loop's per-chunk rows `(B, N, q, C)` gathered into `(B, N, T, C)` float32.
+
+    Written into a zeros buffer (in place under XLA); in a dynamic loop kept per chunk
+    in a TensorFlow `TensorArray` and joined once after the loop, instead of a padded
+    full-size sum per chunk.
+    """
+
+    def __init__(self, plan, count):
+        self.dynamic, self.count = plan.dynamic, count
+
+    def empty(self, shape):
+        if not self.dynamic:
+            return ops.zeros(shape, "float32")
+        import tensorflow as tf
+
+        # Chunks are stored queries first: (q, B, N, C), joined along the queries.
+        element = [None] + [
+            d if isinstance(d, int) else None for d in (shape[0], shape[1], shape[3])
+        ]
+        return tf.TensorArray("float32", size=self.count, infer_shape=False, element_shape=element)
+
+    def put(self, rows, part, start, i):
+        """`rows` with the chunk `part` (loop iteration `i`) at query `start`."""
+        if not self.dynamic:
+            return _add_at(rows, part, [0, 0, start, 0], False)
+        # Iteration i visits the chunk count - 1 - i (the last queries first).
+        return rows.write(self.count - 1 - i, ops.transpose(part, (2, 0, 1, 3)))
+
+    def join(self, rows):
+        return ops.transpose(rows.concat(), (1, 2, 0, 3)) if self.dynamic else rows
 
 
 # ------------------------------------------------------------------------ backward
@@ -341,20 +372,20 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     correction = ops.sum(d_out * output, axis=-1, keepdims=True)
     total = _Gradients(plan, inputs)
 
-    def visit(start, size, lo, hi, state):
+    def visit(start, size, lo, hi, state, i=None):
         block = inputs.block(start, size, lo, _width(lo, hi))
         rows = [masks.slice_along(t, 2, start, size) for t in (d_out, correction, logsumexp)]
-        return total.add(state, block, _backward_chunk(block, *rows))
+        return total.add(state, block, _backward_chunk(block, *rows), i)
 
     if plan.loop:
         count, chunk, rest = plan.looped(inputs.query_length)
-        state = total.zeros()
+        state = total.zeros(_Rows(plan, count))
         for start, size in rest:
             state = visit(start, size, *plan.key_range(start, size), state)
 
         def step(i, state):
             start, size = chunk(i)
-            return visit(start, size, *plan.key_range(start, size), state)
+            return visit(start, size, *plan.key_range(start, size), state, i)
 
         state = _loop(count, step, state, 1)
     else:
@@ -387,12 +418,14 @@ class _Gradients:
         self.bias_shape = None if inputs.bias is None else tuple(inputs.bias.shape)
         self.d_queries, self.done = [], []
 
-    def zeros(self):
+    def zeros(self, rows):
+        """The loop's initial state; `rows`: a `_Rows` for the query gradients."""
         inputs = self.inputs
+        self.rows = rows
         shape = tuple(ops.shape(inputs.q))
         keys = ops.shape(inputs.key_t)[3]
         state = [
-            ops.zeros(shape, "float32"),
+            rows.empty(shape),
             ops.zeros(shape[:2] + (keys, shape[3]), "float32"),
             ops.zeros(shape[:2] + (keys, ops.shape(inputs.v)[3]), "float32"),
             None if inputs.bias is None else ops.zeros(ops.shape(inputs.bias), "float32"),
@@ -400,11 +433,12 @@ class _Gradients:
         ]
         return tuple(x for x in state if x is not None)
 
-    def add(self, state, block, parts):
+    def add(self, state, block, parts, i=None):
+        """`state` with a chunk's gradient `parts` added (`i`: its loop iteration)."""
         d_query, d_key, d_value, d_logits, d_sink = parts
         d_bias = None if self.bias_shape is None else self._bias_part(d_logits)
         if self.plan.loop:
-            return self._add_in_place(state, block, d_query, d_key, d_value, d_bias, d_sink)
+            return self._add_in_place(state, block, i, d_query, d_key, d_value, d_bias, d_sink)
         if state is None:
             state = _Unrolled(self.plan, self.inputs, self.bias_shape)
         self.d_queries.append(d_query)
@@ -415,9 +449,9 @@ class _Gradients:
         self.done.append([d_query, state.d_key.sum, state.d_value.sum])
         return state
 
-    def _add_in_place(self, state, block, d_query, d_key, d_value, d_bias, d_sink):
+    def _add_in_place(self, state, block, i, d_query, d_key, d_value, d_bias, d_sink):
         state, padded = list(state), self.plan.dynamic
-        state[0] = _add_at(state[0], d_query, [0, 0, block.start, 0], padded)
+        state[0] = self.rows.put(state[0], d_query, block.start, i)
         state[1] = _add_at(state[1], d_key, [0, 0, block.lo, 0], padded)
         state[2] = _add_at(state[2], d_value, [0, 0, block.lo, 0], padded)
         i = 3
@@ -438,7 +472,7 @@ class _Gradients:
     def finish(self, state):
         if self.plan.loop:
             state = list(state)
-            d_query, d_key, d_value = state[:3]
+            d_query, d_key, d_value = self.rows.join(state[0]), state[1], state[2]
             rest = state[3:]
             d_bias = rest.pop(0) if self.bias_shape is not None else None
             d_sink = rest.pop(0) if self.inputs.sink is not None else None
