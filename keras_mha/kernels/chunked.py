@@ -309,13 +309,15 @@ def _forward_loop(plan, inputs):
 class _Rows:
     """A loop's per-chunk rows `(B, N, q, C)` gathered into `(B, N, T, C)` float32.
 
-    Written into a zeros buffer (in place under XLA); in a dynamic loop kept per chunk
-    in a TensorFlow `TensorArray` and joined once after the loop, instead of a padded
-    full-size sum per chunk.
+    Written into a zeros buffer (in place under XLA; in a dynamic loop, a padded sum).
+    `array`: in a dynamic loop, kept per chunk in a TensorFlow `TensorArray` and joined
+    once after the loop instead, no full-size sum per chunk; the backward's only, as
+    LiteRT runs a forward pass's tensor lists only through TensorFlow's (Flex) ops.
     """
 
-    def __init__(self, plan, count):
-        self.dynamic, self.count = plan.dynamic, count
+    def __init__(self, plan, count, array=False):
+        self.padded, self.count = plan.dynamic, count
+        self.dynamic = plan.dynamic and array
 
     def empty(self, shape):
         if not self.dynamic:
@@ -331,7 +333,7 @@ class _Rows:
     def put(self, rows, part, start, i):
         """`rows` with the chunk `part` (loop iteration `i`) at query `start`."""
         if not self.dynamic:
-            return _add_at(rows, part, [0, 0, start, 0], False)
+            return _add_at(rows, part, [0, 0, start, 0], self.padded)
         # Iteration i visits the chunk count - 1 - i (the last queries first).
         return rows.write(self.count - 1 - i, ops.transpose(part, (2, 0, 1, 3)))
 
@@ -379,7 +381,7 @@ def _backward(plan, inputs, output, logsumexp, upstream):
 
     if plan.loop:
         count, chunk, rest = plan.looped(inputs.query_length)
-        state = total.zeros(_Rows(plan, count))
+        state = total.zeros(_Rows(plan, count, array=True))
         for start, size in rest:
             state = visit(start, size, *plan.key_range(start, size), state)
 
