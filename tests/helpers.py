@@ -148,7 +148,10 @@ def value_and_grads(fn, arrays):
         import jax
 
         argnums = tuple(range(len(arrays)))
-        (_, out), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(
+        # Compiled whole, as a train step runs: eager dispatch compiles every op of the
+        # chunked kernel's many chunk shapes one by one (tests/run_backends.py's
+        # persistent cache then shares the programs that tests repeat).
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(
             *[jax.numpy.asarray(a) for a in arrays]
         )
     else:
