@@ -320,6 +320,7 @@ def run_backend(backend, args):
             record[name][step]["growth_ratio"] = growth["ours"] / max(growth["builtin"], 1.0)
     if args.scaling:
         record["scaling"] = scaling(backend, args)
+        record["scaling_started"] = record["started"]
     print(json.dumps(record), flush=True)
     return record
 
@@ -353,9 +354,9 @@ def _ratio(entry):
     return f"**{entry['ratio']:.2f}x** ({low:.2f}-{high:.2f})"
 
 
-def _when(records):
+def _when(records, key="started"):
     """When each backend's run started: "tensorflow 2026-11-23 17:56 UTC, ..."."""
-    return ", ".join(f"{r['backend']} {r.get('started', '(no date)')}" for r in records)
+    return ", ".join(f"{r['backend']} {r.get(key, r.get('started', '(no date)'))}" for r in records)
 
 
 def markdown(records, args):
@@ -456,8 +457,8 @@ def _slope(rows, column):
 
 def scaling_markdown(records, args):
     lines = [
-        f"Measured ({_when(records)}) on {platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"no GPU, with "
+        f"Measured ({_when(records, 'scaling_started')}) on {platform.machine()}, "
+        f"{os.cpu_count()} CPU cores, no GPU, with "
         f"`make bench` (`benchmarks/run.py`). B=1, dim 256, 4 heads, a quarter of the keys "
         f"padding, causal. Time of one call after a warm-up call (ms) and peak-RSS growth "
         f"from T={SHORT_LENGTH} (MiB), a fresh process per point; a process that passed "
@@ -564,6 +565,14 @@ def main(argv=None):
     if not args.report_only:
         for backend in args.backends:
             record = run_backend(backend, args)
+            previous = os.path.join(raw, f"{backend}.json")
+            if not args.scaling and os.path.exists(previous):
+                # --no-scaling keeps the backend's last sweep, with its own date.
+                with open(previous) as f:
+                    last = json.load(f)
+                if "scaling" in last:
+                    record["scaling"] = last["scaling"]
+                    record["scaling_started"] = last.get("scaling_started", last["started"])
             with open(os.path.join(raw, f"{backend}.json"), "w") as f:
                 json.dump(record, f, indent=1)
     records = []
@@ -578,7 +587,7 @@ def main(argv=None):
         json.dump(records, f, indent=1)
     plot(records, os.path.join(args.out, "cpu.png"))
     print(open(os.path.join(args.out, "cpu.md")).read())
-    if args.scaling:
+    if records and all("scaling" in r for r in records):
         with open(os.path.join(args.out, "scaling.md"), "w") as f:
             f.write(scaling_markdown(records, args))
         scaling_plot(records, os.path.join(args.out, "scaling.png"))
