@@ -251,11 +251,12 @@ def expand_to_scores(mask, scores_rank, num_attention_axes):
 
 
 def _minimum(a, b):
-    return min(a, b) if isinstance(a, int) and isinstance(b, int) else ops.minimum(a, b)
+    """`min` of ints (or torch.export's symbolic ints), `ops.minimum` of tensors."""
+    return ops.minimum(a, b) if ops.is_tensor(a) or ops.is_tensor(b) else min(a, b)
 
 
 def _maximum(a, b):
-    return max(a, b) if isinstance(a, int) and isinstance(b, int) else ops.maximum(a, b)
+    return ops.maximum(a, b) if ops.is_tensor(a) or ops.is_tensor(b) else max(a, b)
 
 
 def slice_along(x, axis, start, size):
@@ -267,7 +268,8 @@ def slice_along(x, axis, start, size):
         return (
             x if static_start and start == 0 else x[(slice(None),) * axis + (slice(start, None),)]
         )
-    if static_start and start == 0 and isinstance(size, int) and x.shape[axis] == size:
+    # A size given as a tensor (a graph loop's) is never compared: not a Python bool.
+    if static_start and start == 0 and not ops.is_tensor(size) and x.shape[axis] == size:
         return x
     starts = [0] * len(x.shape)
     starts[axis] = start
