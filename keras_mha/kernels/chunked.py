@@ -317,10 +317,10 @@ class _Rows:
 
     def __init__(self, plan, count, array=False):
         self.padded, self.count = plan.dynamic, count
-        self.dynamic = plan.dynamic and array
+        self.array = plan.dynamic and array
 
     def empty(self, shape):
-        if not self.dynamic:
+        if not self.array:
             return ops.zeros(shape, "float32")
         import tensorflow as tf
 
@@ -332,13 +332,13 @@ class _Rows:
 
     def put(self, rows, part, start, i):
         """`rows` with the chunk `part` (loop iteration `i`) at query `start`."""
-        if not self.dynamic:
+        if not self.array:
             return _add_at(rows, part, [0, 0, start, 0], self.padded)
         # Iteration i visits the chunk count - 1 - i (the last queries first).
         return rows.write(self.count - 1 - i, ops.transpose(part, (2, 0, 1, 3)))
 
     def join(self, rows):
-        return ops.transpose(rows.concat(), (1, 2, 0, 3)) if self.dynamic else rows
+        return ops.transpose(rows.concat(), (1, 2, 0, 3)) if self.array else rows
 
 
 # ------------------------------------------------------------------------ backward
