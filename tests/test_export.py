@@ -107,8 +107,9 @@ def _export(model, tmp_path, fmt, name, **kwargs):
 
 
 def _assert_runs(fmt, path, model, rng):
-    # Shapes never used while tracing (Keras traces with the batch and length 1 or 2).
-    for batch, length in ((3, 7), (1, 4)):
+    # Shapes never used while tracing (Keras traces with the batch and length 1 or 2),
+    # and a length of several chunks: an exported chunk loop runs more than once.
+    for batch, length in ((3, 7), (1, 4), (2, 300)):
         data = _data(rng, batch, length)
         expected = model.predict(data, verbose=0)
         np.testing.assert_allclose(_run(fmt, path, data), expected, atol=ATOL, rtol=0)

@@ -289,56 +289,62 @@ def _forward(plan, inputs):
 def _forward_loop(plan, inputs):
     shape = ops.shape(inputs.q)
     count, chunk, rest = plan.looped(shape[2])
-    rows = _Rows(plan, count)
+    rows = _Rows(plan)
     output = rows.empty((shape[0], shape[1], shape[2], ops.shape(inputs.v)[3]))
     logsumexp = rows.empty((shape[0], shape[1], shape[2], 1))
 
-    def visit(start, size, state, i=None):
+    def visit(start, size, state):
         output, logsumexp = state
         lo, hi = plan.key_range(start, size)
         chunk, chunk_logsumexp = _forward_chunk(inputs.block(start, size, lo, _width(lo, hi)))
-        return rows.put(output, chunk, start, i), rows.put(logsumexp, chunk_logsumexp, start, i)
+        return rows.put(output, chunk, start), rows.put(logsumexp, chunk_logsumexp, start)
 
     state = (output, logsumexp)
     for start, size in rest:
         state = visit(start, size, state)
-    state = _loop(count, lambda i, s: visit(*chunk(i), s, i), state, plan.in_flight)
+    shapes = tuple(rows.shape(x) for x in state)
+    state = _loop(count, lambda i, s: visit(*chunk(i), s), state, plan.in_flight, shapes)
     return tuple(rows.join(x) for x in state)
 
 
 class _Rows:
     """A loop's per-chunk rows `(B, N, q, C)` gathered into `(B, N, T, C)` float32.
 
-    Written into a zeros buffer (in place under XLA; in a dynamic loop, a padded sum).
-    `array`: in a dynamic loop, kept per chunk in a TensorFlow `TensorArray` and joined
-    once after the loop instead, no full-size sum per chunk; the backward's only, as
-    LiteRT runs a forward pass's tensor lists only through TensorFlow's (Flex) ops.
+    A static loop writes them into a zeros buffer (in place under XLA). A dynamic loop
+    visits the chunks from the last queries to the first and puts each chunk's rows
+    before the rows so far: a buffer that grows, its queries' size left open to the
+    loop (`shape`).
     """
 
-    def __init__(self, plan, count, array=False):
-        self.padded, self.count = plan.dynamic, count
-        self.array = plan.dynamic and array
+    def __init__(self, plan):
+        self.growing, self.length = plan.dynamic, None
 
     def empty(self, shape):
-        if not self.array:
-            return ops.zeros(shape, "float32")
-        import tensorflow as tf
+        self.length = shape[2]
+        if self.growing:
+            shape = (shape[0], shape[1], 0, shape[3])
+        return ops.zeros(shape, "float32")
 
-        # Chunks are stored queries first: (q, B, N, C), joined along the queries.
-        element = [None] + [
-            d if isinstance(d, int) else None for d in (shape[0], shape[1], shape[3])
-        ]
-        return tf.TensorArray("float32", size=self.count, infer_shape=False, element_shape=element)
+    def put(self, rows, part, start):
+        """`rows` with the chunk `part` at query `start`."""
+        if self.growing:
+            return ops.concatenate([part, rows], axis=2)
+        return _add_at(rows, part, [0, 0, start, 0], False)
 
-    def put(self, rows, part, start, i):
-        """`rows` with the chunk `part` (loop iteration `i`) at query `start`."""
-        if not self.array:
-            return _add_at(rows, part, [0, 0, start, 0], self.padded)
-        # Iteration i visits the chunk count - 1 - i (the last queries first).
-        return rows.write(self.count - 1 - i, ops.transpose(part, (2, 0, 1, 3)))
+    def shape(self, rows):
+        """The loop's shape for `rows`: a growing buffer's queries vary."""
+        if not self.growing:
+            return None
+        shape = list(rows.shape)
+        shape[2] = None
+        return shape
 
     def join(self, rows):
-        return ops.transpose(rows.concat(), (1, 2, 0, 3)) if self.array else rows
+        if not self.growing:
+            return rows
+        shape = list(ops.shape(rows))
+        shape[2] = self.length  # static again where known
+        return ops.reshape(rows, shape)
 
 
 # ------------------------------------------------------------------------ backward
@@ -374,22 +380,22 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     correction = ops.sum(d_out * output, axis=-1, keepdims=True)
     total = _Gradients(plan, inputs)
 
-    def visit(start, size, lo, hi, state, i=None):
+    def visit(start, size, lo, hi, state):
         block = inputs.block(start, size, lo, _width(lo, hi))
         rows = [masks.slice_along(t, 2, start, size) for t in (d_out, correction, logsumexp)]
-        return total.add(state, block, _backward_chunk(block, *rows), i)
+        return total.add(state, block, _backward_chunk(block, *rows))
 
     if plan.loop:
         count, chunk, rest = plan.looped(inputs.query_length)
-        state = total.zeros(_Rows(plan, count, array=True))
+        state = total.zeros()
         for start, size in rest:
             state = visit(start, size, *plan.key_range(start, size), state)
 
         def step(i, state):
             start, size = chunk(i)
-            return visit(start, size, *plan.key_range(start, size), state, i)
+            return visit(start, size, *plan.key_range(start, size), state)
 
-        state = _loop(count, step, state, 1)
+        state = _loop(count, step, state, 1, total.shapes(state))
     else:
         state = None
         for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
@@ -419,15 +425,15 @@ class _Gradients:
         self.plan, self.inputs = plan, inputs
         self.bias_shape = None if inputs.bias is None else tuple(inputs.bias.shape)
         self.d_queries, self.done = [], []
+        self.rows = _Rows(plan)  # a loop's query gradients
 
-    def zeros(self, rows):
-        """The loop's initial state; `rows`: a `_Rows` for the query gradients."""
+    def zeros(self):
+        """The loop's initial state."""
         inputs = self.inputs
-        self.rows = rows
         shape = tuple(ops.shape(inputs.q))
         keys = ops.shape(inputs.key_t)[3]
         state = [
-            rows.empty(shape),
+            self.rows.empty(shape),
             ops.zeros(shape[:2] + (keys, shape[3]), "float32"),
             ops.zeros(shape[:2] + (keys, ops.shape(inputs.v)[3]), "float32"),
             None if inputs.bias is None else ops.zeros(ops.shape(inputs.bias), "float32"),
@@ -435,12 +441,16 @@ class _Gradients:
         ]
         return tuple(x for x in state if x is not None)
 
-    def add(self, state, block, parts, i=None):
-        """`state` with a chunk's gradient `parts` added (`i`: its loop iteration)."""
+    def shapes(self, state):
+        """The loop's shapes for `state` (see `_loop`)."""
+        return (self.rows.shape(state[0]),) + (None,) * (len(state) - 1)
+
+    def add(self, state, block, parts):
+        """`state` with a chunk's gradient `parts` added."""
         d_query, d_key, d_value, d_logits, d_sink = parts
         d_bias = None if self.bias_shape is None else self._bias_part(d_logits)
         if self.plan.loop:
-            return self._add_in_place(state, block, i, d_query, d_key, d_value, d_bias, d_sink)
+            return self._add_in_place(state, block, d_query, d_key, d_value, d_bias, d_sink)
         if state is None:
             state = _Unrolled(self.plan, self.inputs, self.bias_shape)
         self.d_queries.append(d_query)
@@ -451,9 +461,9 @@ class _Gradients:
         self.done.append([d_query, state.d_key.sum, state.d_value.sum])
         return state
 
-    def _add_in_place(self, state, block, i, d_query, d_key, d_value, d_bias, d_sink):
+    def _add_in_place(self, state, block, d_query, d_key, d_value, d_bias, d_sink):
         state, padded = list(state), self.plan.dynamic
-        state[0] = self.rows.put(state[0], d_query, block.start, i)
+        state[0] = self.rows.put(state[0], d_query, block.start)
         state[1] = _add_at(state[1], d_key, [0, 0, block.lo, 0], padded)
         state[2] = _add_at(state[2], d_value, [0, 0, block.lo, 0], padded)
         i = 3
@@ -565,7 +575,7 @@ def _pad_keys(x, before, after):
 
 def _add_at(buffer, part, starts, padded):
     """`buffer` plus `part` placed at `starts` (zeros elsewhere): a loop's running
-    sums, and its rows, each written once into zeros. `padded`: as a sum with `part`
+    sums, and a static loop's rows, each written once into zeros. `padded`: as a sum with `part`
     padded to the buffer's shape (a dynamic loop: TensorFlow's slice update is an XLA
     op, compiled on the CPU for every shape of `part`)."""
     same = tuple(part.shape) == tuple(buffer.shape) and None not in tuple(part.shape)
@@ -577,17 +587,24 @@ def _add_at(buffer, part, starts, padded):
     return ops.slice_update(buffer, starts, ops.slice(buffer, starts, ops.shape(part)) + part)
 
 
-def _loop(count, body, state, in_flight):
+def _loop(count, body, state, in_flight, shapes=None):
     """`state` after `body(i, state)` for `i < count`; TensorFlow graphs run at most
-    `in_flight` iterations at once (its while loop would start ten)."""
+    `in_flight` iterations at once (its while loop would start ten). `shapes`: per
+    state item, `None` or the shape it keeps through the loop (`None` where a size
+    varies; TensorFlow only)."""
     if backend.backend() == "tensorflow":
         import tensorflow as tf
 
+        invariants = None
+        if shapes is not None:
+            kept = [tf.TensorShape(s if s is not None else x.shape) for s, x in zip(shapes, state)]
+            invariants = (tf.TensorShape([]), tuple(kept))
         return tf.while_loop(
             lambda i, _: i < count,
             lambda i, s: (i + 1, body(i, s)),
             (0, state),
             parallel_iterations=in_flight or 1,
+            shape_invariants=invariants,
         )[1]
     return ops.fori_loop(0, count, body, state)
 
