@@ -22,10 +22,6 @@ class Policy:
             "fused" (the backend's own kernel), "chunked" or "explicit".
         chunk_size: query rows per chunk of the chunked kernel (the layer's
             `chunk_size=None`).
-        in_flight: how many query chunks of a forward pass may run at once;
-            `None` for no limit. TensorFlow's graph executor otherwise starts every
-            chunk together and the memory saving is gone; two overlap one chunk's
-            softmax with the next one's matmul.
         loop: the chunked kernel visits its chunks in a compiled loop instead of
             unrolling them. XLA schedules unrolled chunks together and keeps all
             their buffers; in a loop each chunk sees every key (masked), so a
@@ -47,7 +43,6 @@ class Policy:
 
     kernel: str
     chunk_size: int = 256
-    in_flight: int | None = None
     loop: bool = False
     dynamic: bool = False
     trains: bool = True
@@ -58,8 +53,8 @@ class Policy:
 # (backend, device) -> Policy. The measurements behind each entry are in
 # benchmarks/results (see its README); `make bench` re-measures them.
 POLICIES = {
-    ("tensorflow", "cpu"): Policy("chunked", chunk_size=128, in_flight=2, loop=True, dynamic=True),
-    ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
+    ("tensorflow", "cpu"): Policy("chunked", chunk_size=128, loop=True, dynamic=True),
+    ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, loop=True, dynamic=True),
     ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
     ("jax", "gpu"): Policy("fused", chunk_size=512, loop=True, fused_float16=True),
     ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
