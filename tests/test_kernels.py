@@ -332,6 +332,35 @@ def test_policy_choose():
     assert choose("fused", call(), kernels.policy.Policy("chunked")) == "fused"
 
 
+def test_policy_takes_the_explicit_kernel_for_small_calls_that_skip_no_keys():
+    rules = kernels.policy.Policy("chunked", explicit_up_to=100)
+    choose, call = kernels.policy.choose, kernels.policy.Call
+    padded = masks.AttentionMask(key_valid=np.ones((1, 3), bool))
+    assert choose(None, call(score_entries=100), rules) == "explicit"
+    assert choose("auto", call(score_entries=100, mask=padded, dropout=True), rules) == "explicit"
+    assert choose(None, call(score_entries=101), rules) == "chunked"
+    assert choose(None, call(score_entries=None), rules) == "chunked"  # unknown while tracing
+    # Causal and windowed chunks skip keys: the chunked kernel stays.
+    assert choose(None, call(score_entries=4, mask=masks.AttentionMask(causal=True)), rules) == (
+        "chunked"
+    )
+    assert choose(None, call(score_entries=4, mask=masks.AttentionMask(window=2)), rules) == (
+        "chunked"
+    )
+    # Only the automatic choice: a requested kernel runs as asked.
+    assert choose("chunked", call(score_entries=4), rules) == "chunked"
+    assert choose(None, call(score_entries=4), kernels.policy.Policy("chunked")) == "chunked"
+    fused = kernels.policy.Policy("fused", explicit_up_to=100)
+    assert choose(None, call(score_entries=4), fused) == "fused"
+
+
+def test_score_entries_are_known_only_for_static_sizes():
+    q, k = ops.zeros((2, 5, 3, 4)), ops.zeros((2, 7, 3, 4))
+    assert kernels._score_entries(q, k) == 2 * 3 * 5 * 7
+    symbolic = keras.KerasTensor((None, 5, 3, 4))
+    assert kernels._score_entries(symbolic, k) is None
+
+
 def test_policy_table_covers_every_backend():
     for name in ("tensorflow", "jax", "torch", "numpy", "openvino"):
         entry = kernels.policy.POLICIES[(name, "cpu")]

@@ -69,6 +69,7 @@ def attention(
         soft_cap=soft_cap is not None,
         sinks=sinks is not None,
         same_head_dims=key.shape[-1] == value.shape[-1],
+        score_entries=_score_entries(query, key),
     )
     kernel = policy.choose(implementation, call, rules)
     if kernel == "explicit":
@@ -114,6 +115,15 @@ def attention(
         differentiable=rules.trains,
     )
     return output, None
+
+
+def _score_entries(query, key):
+    """`B x N x T x S` of `(B, T, N, H)` query and `(B, S, N, H)` key, or `None` when a
+    size is unknown while tracing (symbolic sizes included)."""
+    sizes = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    if len(query.shape) != 4 or not all(isinstance(d, int) for d in sizes):
+        return None
+    return sizes[0] * sizes[1] * sizes[2] * sizes[3]
 
 
 __all__ = ["IMPLEMENTATIONS", "attention", "chunked", "explicit", "fused", "policy"]

@@ -22,6 +22,12 @@ class Policy:
             "fused" (the backend's own kernel), "chunked" or "explicit".
         chunk_size: query rows per chunk of the chunked kernel (the layer's
             `chunk_size=None`).
+        explicit_up_to: `None`, or the automatic choice takes the explicit kernel
+            where "chunked" would run a call whose whole scores `B x N x T x S` are
+            known when tracing and have at most this many entries, and whose mask
+            has no causal part or window (the chunks would skip no key): its
+            backward keeps the weights where the chunked one recomputes them.
+            Time over memory for small calls.
         loop: the chunked kernel visits its chunks in a compiled loop instead of
             unrolling them. XLA schedules unrolled chunks together and keeps all
             their buffers; in a loop each chunk sees every key (masked), so a
@@ -43,6 +49,7 @@ class Policy:
 
     kernel: str
     chunk_size: int = 256
+    explicit_up_to: int | None = None
     loop: bool = False
     dynamic: bool = False
     trains: bool = True
@@ -53,7 +60,9 @@ class Policy:
 # (backend, device) -> Policy. The measurements behind each entry are in
 # benchmarks/results (see its README); `make bench` re-measures them.
 POLICIES = {
-    ("tensorflow", "cpu"): Policy("chunked", chunk_size=128, loop=True, dynamic=True),
+    ("tensorflow", "cpu"): Policy(
+        "chunked", chunk_size=128, explicit_up_to=1 << 22, loop=True, dynamic=True
+    ),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, loop=True, dynamic=True),
     ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
     ("jax", "gpu"): Policy("fused", chunk_size=512, loop=True, fused_float16=True),
@@ -114,6 +123,7 @@ class Call:
         soft_cap: logits are soft-capped.
         sinks: the layer has attention sinks.
         same_head_dims: `key_dim == value_dim`.
+        score_entries: `B x N x T x S` when known while tracing, else `None`.
     """
 
     scores: bool = False
@@ -124,6 +134,7 @@ class Call:
     soft_cap: bool = False
     sinks: bool = False
     same_head_dims: bool = True
+    score_entries: int | None = None
 
 
 def choose(requested, call, policy):
@@ -138,15 +149,27 @@ def choose(requested, call, policy):
     Returns:
         One of `IMPLEMENTATIONS`. Scores and N-d attention take the explicit kernel,
         whatever was requested. "fused" becomes "chunked" where the backend's kernel
-        lacks a feature the call needs (`fusable`).
+        lacks a feature the call needs (`fusable`); the automatic choice takes the
+        explicit kernel for small calls (`Policy.explicit_up_to`).
     """
     if call.scores or not call.rank4:
         return "explicit"
-    if requested in (None, "auto"):
+    automatic = requested in (None, "auto")
+    if automatic:
         requested = policy.kernel
     if requested == "fused" and not fusable(call):
         requested = "chunked"
+    if automatic and requested == "chunked" and _small(call, policy.explicit_up_to):
+        requested = "explicit"
     return requested
+
+
+def _small(call, limit):
+    """The call's scores are known, at most `limit` entries, and every key counts."""
+    if limit is None or call.score_entries is None or call.score_entries > limit:
+        return False
+    mask = call.mask
+    return mask is None or (not mask.causal and mask.window is None)
 
 
 def fusable(call):
