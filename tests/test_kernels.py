@@ -234,9 +234,9 @@ def test_unknown_query_length_is_one_chunk_unless_the_loop_is_dynamic():
     a dynamic loop chunks it all the same."""
     q = keras.Input((None, N, H))
     causal = masks.AttentionMask(causal=True)
-    plan = chunked._Plan.make(q, q, causal, 4, False, False)
+    plan = chunked._Plan.make(q, q, causal, 4, None, False, False)
     assert plan.chunks == ((0, None),) and plan.ranges == ((0, None),) and not plan.loop
-    assert chunked._Plan.make(q, q, causal, 4, True, True).loop
+    assert chunked._Plan.make(q, q, causal, 4, None, True, True).loop
 
 
 def test_dynamic_loop_is_refused_where_shapes_are_static(rng):

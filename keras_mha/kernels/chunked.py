@@ -14,7 +14,7 @@ The chunks are visited one of two ways (`Policy.loop`):
 
 - unrolled, over a static `T`: each chunk sees only the keys it can attend to
   (causality and the window bound them: a causal chunk skips the keys after its last
-  query, half the work); TensorFlow's graph runs one chunk at a time.
+  query, half the work); TensorFlow's graph runs at most `in_flight` chunks at once.
 - in a compiled loop (`keras.ops.fori_loop`): every chunk sees all keys, masked. XLA
   runs independent unrolled chunks in any order and keeps their buffers alive
   together; a loop holds one chunk's at a time.
@@ -45,6 +45,7 @@ def attention(
     dropout=0.0,
     seed=None,
     chunk_size=256,
+    in_flight=None,
     loop=False,
     dynamic=False,
     differentiable=True,
@@ -61,6 +62,8 @@ def attention(
         dropout: attention dropout rate; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask.
         chunk_size: query rows per chunk.
+        in_flight: how many chunks of the forward pass may run at once (TensorFlow
+            graphs); the backward runs one at a time.
         loop: visit the chunks in a compiled loop rather than unrolled.
         dynamic: the loop's chunks take tensors whose size changes from chunk to
             chunk (TensorFlow graphs): each sees only its key range, and a `T`
@@ -69,7 +72,7 @@ def attention(
     """
     if dynamic and backend.backend() == "jax":
         raise ValueError("The chunked kernel's dynamic loop needs dynamic shapes; JAX has none.")
-    plan = _Plan.make(query, key, mask, chunk_size, loop, dynamic)
+    plan = _Plan.make(query, key, mask, chunk_size, in_flight, loop, dynamic)
     options = _Options(scale, mask, soft_cap, dropout if seed is not None else 0.0, seed)
     tensors = [query, key, value]
     if bias is not None:
@@ -122,12 +125,13 @@ class _Plan:
     key_length: Any  # static `S` or `None`
     query_length: Any  # static `T` or `None`
     chunk_size: int
+    in_flight: Any
     loop: bool  # the chunks run in a loop (the rest of a static loop, if any, before it)
     dynamic: bool  # the loop's chunks see only their key range; `T` may be unknown
     mask: Any
 
     @classmethod
-    def make(cls, query, key, mask, chunk_size, loop, dynamic):
+    def make(cls, query, key, mask, chunk_size, in_flight, loop, dynamic):
         # Symbolic lengths (torch.export, jax.export) count as unknown: no guards.
         query_length, key_length = (_static(x.shape[1]) for x in (query, key))
         if query_length is None:
@@ -142,7 +146,7 @@ class _Plan:
             # are then no larger than freed ones, which malloc reuses instead of
             # growing the heap by every chunk's new, larger size.
             chunks = chunks[::-1]
-        plan = cls(chunks, (), key_length, query_length, chunk_size, loop, dynamic, mask)
+        plan = cls(chunks, (), key_length, query_length, chunk_size, in_flight, loop, dynamic, mask)
         ranges = tuple(plan.key_range(start, size) for start, size in chunks)
         return dataclasses.replace(plan, ranges=ranges)
 
@@ -274,7 +278,7 @@ def _forward(plan, inputs):
         return _forward_loop(plan, inputs)
     outputs, logsumexps, done = [], [], []
     for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
-        with _after(done, i):
+        with _after(done, i, plan.in_flight):
             output, logsumexp = _forward_chunk(inputs.block(start, size, lo, _width(lo, hi)))
         outputs.append(output)
         logsumexps.append(logsumexp)
@@ -299,7 +303,7 @@ def _forward_loop(plan, inputs):
     for start, size in rest:
         state = visit(start, size, state)
     shapes = tuple(rows.shape(x) for x in state)
-    state = _loop(count, lambda i, s: visit(*chunk(i), s), state, shapes)
+    state = _loop(count, lambda i, s: visit(*chunk(i), s), state, plan.in_flight, shapes)
     return tuple(rows.join(x) for x in state)
 
 
@@ -391,11 +395,12 @@ def _backward(plan, inputs, output, logsumexp, upstream):
             start, size = chunk(i)
             return visit(start, size, *plan.key_range(start, size), state)
 
-        state = _loop(count, step, state, total.shapes(state))
+        state = _loop(count, step, state, 1, total.shapes(state))
     else:
         state = None
         for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
-            with _after(total.done, i):
+            # One chunk at a time: two in flight measured no faster and held more.
+            with _after(total.done, i, 1):
                 state = visit(start, size, lo, hi, state)
     d_query, d_key, d_value, d_bias, d_sink = total.finish(state)
     return [
@@ -449,7 +454,7 @@ class _Gradients:
         if state is None:
             state = _Unrolled(self.plan, self.inputs, self.bias_shape)
         self.d_queries.append(d_query)
-        with _after(self.d_queries, len(self.d_queries)):
+        with _after(self.d_queries, len(self.d_queries), 1):
             state.add(block, d_key, d_value, d_bias, d_sink)
         # The next chunks wait for this one's sums, not only its query gradient: the
         # parts of chunks run ahead would otherwise wait, all alive, to be added.
@@ -582,9 +587,9 @@ def _add_at(buffer, part, starts, padded):
     return ops.slice_update(buffer, starts, ops.slice(buffer, starts, ops.shape(part)) + part)
 
 
-def _loop(count, body, state, shapes=None):
-    """`state` after `body(i, state)` for `i < count`; TensorFlow graphs run one
-    iteration at a time (its while loop would start ten). `shapes`: per
+def _loop(count, body, state, in_flight, shapes=None):
+    """`state` after `body(i, state)` for `i < count`; TensorFlow graphs run at most
+    `in_flight` iterations at once (its while loop would start ten). `shapes`: per
     state item, `None` or the shape it keeps through the loop (`None` where a size
     varies; TensorFlow only)."""
     if backend.backend() == "tensorflow":
@@ -598,7 +603,7 @@ def _loop(count, body, state, shapes=None):
             lambda i, _: i < count,
             lambda i, s: (i + 1, body(i, s)),
             (0, state),
-            parallel_iterations=1,
+            parallel_iterations=in_flight or 1,
             shape_invariants=invariants,
         )[1]
     return ops.fori_loop(0, count, body, state)
@@ -639,15 +644,14 @@ def _concat(parts, axis):
     return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=axis)
 
 
-def _after(outputs, index):
-    """Context in which the chunk `index` waits for chunk `index - 1` (TensorFlow
-    graphs; a no-op elsewhere): its executor would otherwise start every chunk at
-    once, all their buffers alive together."""
-    if index < 1 or backend.backend() != "tensorflow":
+def _after(outputs, index, in_flight):
+    """Context in which the chunk `index` waits for chunk `index - in_flight`
+    (TensorFlow graphs; a no-op elsewhere)."""
+    if not in_flight or index < in_flight or backend.backend() != "tensorflow":
         return contextlib.nullcontext()
     import tensorflow as tf
 
     if tf.executing_eagerly():
         return contextlib.nullcontext()
-    waited = outputs[index - 1]
+    waited = outputs[index - in_flight]
     return tf.control_dependencies(waited if isinstance(waited, list) else [waited])

@@ -22,6 +22,10 @@ class Policy:
             "fused" (the backend's own kernel), "chunked" or "explicit".
         chunk_size: query rows per chunk of the chunked kernel (the layer's
             `chunk_size=None`).
+        in_flight: how many query chunks of a forward pass may run at once;
+            `None` for no limit. TensorFlow's graph executor otherwise starts every
+            chunk together and the memory saving is gone; two overlap one chunk's
+            softmax with the next one's matmul.
         explicit_up_to: `None`, or the automatic choice takes the explicit kernel
             where "chunked" would run a call whose whole scores `B x N x T x S` are
             known when tracing and have at most this many entries, and whose mask
@@ -49,6 +53,7 @@ class Policy:
 
     kernel: str
     chunk_size: int = 256
+    in_flight: int | None = None
     explicit_up_to: int | None = None
     loop: bool = False
     dynamic: bool = False
@@ -61,9 +66,9 @@ class Policy:
 # benchmarks/results (see its README); `make bench` re-measures them.
 POLICIES = {
     ("tensorflow", "cpu"): Policy(
-        "chunked", chunk_size=128, explicit_up_to=1 << 22, loop=True, dynamic=True
+        "chunked", chunk_size=128, in_flight=2, explicit_up_to=1 << 22, loop=True, dynamic=True
     ),
-    ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, loop=True, dynamic=True),
+    ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
     ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
     ("jax", "gpu"): Policy("fused", chunk_size=512, loop=True, fused_float16=True),
     ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
