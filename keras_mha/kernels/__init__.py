@@ -121,8 +121,10 @@ def attention(
 def _score_entries(query, key):
     """`B x N x T x S` of `(B, T, N, H)` query and `(B, S, N, H)` key, or `None` when a
     size is unknown while tracing (symbolic sizes included)."""
+    if len(query.shape) != 4:
+        return None
     sizes = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
-    if len(query.shape) != 4 or not all(isinstance(d, int) for d in sizes):
+    if not all(isinstance(d, int) for d in sizes):
         return None
     return sizes[0] * sizes[1] * sizes[2] * sizes[3]
 
