@@ -10,7 +10,7 @@ weights are recomputed from the saved logsumexp, masks and dropout regenerated c
 by chunk, so the backward holds `O(chunk * S)` too. Gradients flow to the query, key,
 value, the attention bias and the sinks.
 
-The chunks are visited one of two ways (`Policy.loop`):
+The chunks are visited one of three ways (`Policy.loop`, `Policy.dynamic`):
 
 - unrolled, over a static `T`: each chunk sees only the keys it can attend to
   (causality and the window bound them: a causal chunk skips the keys after its last
@@ -18,8 +18,11 @@ The chunks are visited one of two ways (`Policy.loop`):
 - in a compiled loop (`keras.ops.fori_loop`): every chunk sees all keys, masked. XLA
   runs independent unrolled chunks in any order and keeps their buffers alive
   together; a loop holds one chunk's at a time.
+- in a dynamic loop (a TensorFlow graph's while loop): each step's tensors change
+  size, so every chunk again sees only its key range; the rows grow by one chunk per
+  step (`_Rows`).
 
-A `T` unknown when tracing is one chunk.
+A `T` unknown when tracing is one chunk, unless the loop is dynamic.
 """
 
 import contextlib
