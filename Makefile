@@ -11,6 +11,8 @@ NOTEBOOK_BACKEND ?= jax
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[all]"
+	# keras-hub (tests/test_keras_hub.py) without tensorflow-text: see the `hub` extra.
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt --no-deps keras-hub
 	touch $(STAMP)
 
 install: $(STAMP)
