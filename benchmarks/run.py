@@ -232,11 +232,11 @@ def _child(args):
 
 
 # ---------------------------------------------------------------- parent process side
-def _spawn(backend, worker_args, memory_limit_gib=None, time_limit_s=None):
-    """Runs a worker in a child process; returns its result, or `{"failed": why}` when
-    it passed the memory or time limit."""
+def _spawn(backend, worker_args, memory_limit_gib=None, time_limit_s=None, script=__file__):
+    """Runs a worker of `script` in a child process; returns its result, or
+    `{"failed": why}` when it passed the memory or time limit."""
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    command = [sys.executable, os.path.abspath(__file__), *worker_args]
+    command = [sys.executable, os.path.abspath(script), *worker_args]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
