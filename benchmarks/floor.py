@@ -86,9 +86,7 @@ def _model(which, work):
     cls = keras_mha.MultiHeadAttention if which == "ours" else keras.layers.MultiHeadAttention
     tokens = keras.Input(shape=(work.length,), batch_size=work.batch, dtype="int32")
     x = keras.layers.Embedding(VOCABULARY, work.dim, mask_zero=work.masked)(tokens)
-    y = cls(num_heads=work.heads, key_dim=work.dim // work.heads)(
-        x, x, use_causal_mask=work.masked
-    )
+    y = cls(num_heads=work.heads, key_dim=work.dim // work.heads)(x, x, use_causal_mask=work.masked)
     model = keras.Model(tokens, y)
     model.compile(optimizer="sgd", loss="mse")
     return model
@@ -304,12 +302,14 @@ def markdown(records, args):
         for r in records:
             for step, by_which in r["sweep"].items():
                 for which, rows in by_which.items():
-                    cells = [
-                        row["failed"] if row["failed"] else f"{row['ms']:.0f} ({row['floor_ms']:.0f})"
-                        for row in rows
-                    ]
-                    lines.append(f"| {r['backend']} | {step} | {which} | " + " | ".join(cells) + " |")
+                    cells = [_sweep_cell(row) for row in rows]
+                    row_head = f"| {r['backend']} | {step} | {which} | "
+                    lines.append(row_head + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _sweep_cell(row):
+    return row["failed"] or f"{row['ms']:.0f} ({row['floor_ms']:.0f})"
 
 
 def _sweep_lengths(records):
