@@ -361,6 +361,8 @@ class MultiHeadAttention(keras.layers.Layer):
             "use_sinks": self._use_sinks,
             "rope_max_wavelength": self._rope_max_wavelength,
             "rope_scaling_factor": self._rope_scaling_factor,
+            # Quantized projections are rebuilt quantized (see `policy_for_config`).
+            "dtype": keras.dtype_policies.serialize(projections.policy_for_config(self)),
         }
         return {**super().get_config(), **config}
 
