@@ -57,6 +57,13 @@ class MultiHeadAttention(keras.layers.Layer):
     5. A query row whose keys are all masked gets zero attention weights, hence a
        zero context (its output is the output projection's bias), with finite
        outputs and gradients, on every kernel and backend.
+    6. A model holding it, quantized (`model.quantize("int8" | "float8" | "int4")`),
+       saves to `.keras` and loads back with the same outputs: the config records
+       the projections' quantized dtype policies (Keras 3.15 rebuilds the built-in's
+       projections in float on load, and the load fails).
+    7. `mixed_float16` in a compiled (XLA) model on JAX's CPU predicts and trains
+       (the built-in fails there: "The precision 'F16_F16_F32' is not supported by
+       dot_general on CPU").
 
     Args:
         num_heads: Number of attention heads `N`.
@@ -361,6 +368,8 @@ class MultiHeadAttention(keras.layers.Layer):
             "use_sinks": self._use_sinks,
             "rope_max_wavelength": self._rope_max_wavelength,
             "rope_scaling_factor": self._rope_scaling_factor,
+            # Quantized projections are rebuilt quantized (see `policy_for_config`).
+            "dtype": keras.dtype_policies.serialize(projections.policy_for_config(self)),
         }
         return {**super().get_config(), **config}
 

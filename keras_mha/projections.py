@@ -3,12 +3,16 @@
 The layer's query, key, value and output projections (and the gate) are `Projection`s:
 same weights, same variable names, same results as Keras's `EinsumDense`.
 
+A quantized projection (`model.quantize(...)`) has its own quantized dtype policy;
+`policy_for_config` records those policies in the layer's config, so a layer rebuilt
+from it builds its projections quantized and their saved variables load.
+
 Self-attention is not fused into one `(dim, 3 * N * H)` product here: it measured no
 gain (benchmarks/results/README.md, "Decisions"), so the three projections run as they
 are written.
 """
 
-from keras import ops
+from keras import dtype_policies, ops
 from keras.layers import EinsumDense
 
 from keras_mha.kernels import policy
@@ -42,6 +46,41 @@ def add_bias(x, bias):
         if same and not x.requires_grad and not torch.jit.is_tracing():
             return x.add_(bias)
     return ops.add(x, bias)
+
+
+def policy_for_config(layer):
+    """The dtype policy `layer.get_config()` records: its own, plus its quantized sublayers'.
+
+    `quantize` gives each projection a quantized policy (`"int8_from_float32"`, ...)
+    while the layer keeps its own. Rebuilt from a config holding only the layer's
+    policy, the projections would be built in floating point and could not take the
+    quantized variables saved with them. So, as Keras's `DTypePolicyMap` docstring
+    does for the built-in layer and keras-hub's `Backbone` for whole models, the
+    policy becomes a `DTypePolicyMap`: the layer's own policy as default, and each
+    quantized sublayer's path (`"mha/query"`) to its policy. The sublayers are
+    given that map as their dtype and look their own path up when built, so they
+    are built quantized; this needs the layer to sit at the same path when it is
+    rebuilt (as it does when a saved model loads).
+
+    Args:
+        layer: A built or unbuilt `keras.layers.Layer`.
+
+    Returns:
+        The layer's `dtype_policy` when it is already a `DTypePolicyMap` (the
+        sublayers' quantized policies are in it: they were set through it) or when
+        no sublayer is quantized; otherwise a new `DTypePolicyMap`.
+    """
+    policy = layer.dtype_policy
+    if isinstance(policy, dtype_policies.DTypePolicyMap):
+        return policy
+    quantized = {
+        sublayer.path: sublayer.dtype_policy
+        for sublayer in layer._flatten_layers(include_self=False)
+        if sublayer.quantization_mode is not None
+    }
+    if not quantized:
+        return policy
+    return dtype_policies.DTypePolicyMap(default_policy=policy, policy_map=quantized)
 
 
 class Projection(EinsumDense):

@@ -231,3 +231,60 @@ def test_clone_model(rng):
     clone.set_weights(model.get_weights())
     for got, want in zip(_outputs(clone, inputs), expected):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+# ------------------------------------------------------------------------ quantized
+def _quantized_builtin_fails_to_load(model, path):
+    """Keras 3.15 rebuilds the built-in's projections in floating point on load: its
+    quantized variables do not fit (asserted, so this test notices when Keras changes)."""
+    model.save(path)
+    with pytest.raises(ValueError, match="expected 2 variables, but received 0 variables"):
+        keras.saving.load_model(path, safe_mode=True)
+
+
+@pytest.mark.parametrize("mode", ["int8", "float8", "int4"])
+def test_quantized_model_round_trip(mode, tmp_path, rng):
+    query, value = keras.Input((5, 8)), keras.Input((3, 8))
+    inputs = [rng.normal(size=(2, 5, 8)).astype("float32"), rng.normal(size=(2, 3, 8))]
+    inputs[1] = inputs[1].astype("float32")
+    models = []
+    keras.utils.set_random_seed(0)
+    for base in (keras_mha.MultiHeadAttention, keras.layers.MultiHeadAttention):
+        layer = base(2, key_dim=4, name="mha")
+        models.append(keras.Model([query, value], layer(query, value)))
+    ours, builtin = models
+    builtin.set_weights(ours.get_weights())
+    for model in models:
+        model.quantize(mode)
+    expected = _outputs(ours, inputs)[0]
+    # The built-in's quantized outputs, before saving (it cannot load).
+    np.testing.assert_allclose(_outputs(builtin, inputs)[0], expected, atol=1e-6, rtol=0)
+    _quantized_builtin_fails_to_load(builtin, tmp_path / "builtin.keras")
+
+    ours.save(tmp_path / "ours.keras")
+    loaded = keras.saving.load_model(tmp_path / "ours.keras", safe_mode=True)
+    (attention,) = _attention_layers(loaded)
+    for dense in (attention.query_dense, attention.output_dense):
+        assert dense.quantization_mode == mode
+    weights = {w.path: (str(w.dtype), tuple(w.shape)) for w in loaded.weights}
+    assert weights == {w.path: (str(w.dtype), tuple(w.shape)) for w in ours.weights}
+    np.testing.assert_array_equal(_outputs(loaded, inputs)[0], expected)
+
+
+def test_quantized_model_nested_in_models_round_trip(tmp_path, rng):
+    """Ours in a functional model in a `Sequential` in a functional model: each
+    projection's recorded path (`"mha/query"`) is the one it is rebuilt at."""
+    inner_input = keras.Input((5, 8))
+    attention = keras_mha.MultiHeadAttention(2, 4, name="mha")
+    inner = keras.Model(inner_input, attention(inner_input, inner_input), name="inner")
+    middle = keras.Sequential([keras.Input((5, 8)), keras.layers.Dense(8), inner], name="seq")
+    outer_input = keras.Input((5, 8))
+    model = keras.Model(outer_input, middle(outer_input))
+    model.quantize("int8")
+    inputs = rng.normal(size=(2, 5, 8)).astype("float32")
+    expected = _outputs(model, inputs)[0]
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras", safe_mode=True)
+    (attention,) = _attention_layers(loaded)
+    assert attention.key_dense.quantization_mode == "int8"
+    np.testing.assert_array_equal(_outputs(loaded, inputs)[0], expected)
