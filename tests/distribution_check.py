@@ -13,12 +13,14 @@ in a subprocess and checks it, whatever that session's backend.
 
     python tests/distribution_check.py
 
-The backend and the device count are set here, before Keras or JAX is imported.
+The backend, the platform (CPU) and the device count are set here, before Keras or JAX
+is imported.
 """
 
 import os
 
 os.environ["KERAS_BACKEND"] = "jax"
+os.environ["JAX_PLATFORMS"] = "cpu"  # the 8 virtual devices, also where a GPU is visible
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()

@@ -18,6 +18,7 @@ ends the others, and the process group times out after `TIMEOUT` seconds.
 import os
 
 os.environ["KERAS_BACKEND"] = "torch"
+os.environ["KERAS_TORCH_DEVICE"] = "cpu"  # gloo ranks on CPU, also where a GPU is visible
 
 import datetime  # noqa: E402
 import json  # noqa: E402
