@@ -81,13 +81,13 @@ def _mesh(shape=(2, 4), axis_names=("batch", "model")):
 
 
 # ------------------------------------------------------------ engine subprocesses
-def run_check(script, backend, **env):
+def run_check(script, backend):
     """Runs `tests/<script>` under `backend`; returns the JSON object it prints last.
 
     The check runs in a session of its own, so on a timeout every process it started
     (torch's ranks too) is killed with it.
     """
-    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONHASHSEED": "0", **env}
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONHASHSEED": "0"}
     process = subprocess.Popen(
         [sys.executable, str(CHECKS / script)],
         env=env,
