@@ -16,8 +16,9 @@ heads ends in one all-reduce, which GSPMD inserts. The patterns match the variab
 paths of this layer and of `keras.layers.MultiHeadAttention` /
 `keras.layers.GroupQueryAttention` (same sublayer names), at any nesting depth.
 
-`keras.distribution` shards variables on the JAX backend only; see the README,
-"Scaling out", for what tensorflow and torch do with it.
+`keras.distribution` shards variables on the JAX backend only; the guide's "Scaling
+out" page shows what tensorflow and torch do with it, and their own engines
+(`tf.distribute.MirroredStrategy`, torch `DistributedDataParallel`) training the layer.
 """
 
 from keras import distribution as keras_distribution

@@ -4,17 +4,23 @@ For each case, a single-device model and, with the same starting weights, the sa
 model under `DataParallel` (8 devices) and under `ModelParallel` on a `(2, 4)`
 `("batch", "model")` mesh with `keras_mha.distribution.layout_map`: forward
 outputs, one SGD training step (loss and updated weights) and each variable's
-sharding. Prints one JSON object; `tests/test_distribution.py` runs it in a
-subprocess and checks it, whatever that session's backend.
+sharding. Then ours against `keras.layers.MultiHeadAttention`, both trained with
+`model.fit` from the same starting weights on the same batches
+(`distribution_parity.py`), under `DataParallel` and under `ModelParallel` with
+`layout_map` on a `(4, 2)` mesh (the built-in's weights have the same paths), and ours
+once more on one device. Prints one JSON object; `tests/test_distribution.py` runs it
+in a subprocess and checks it, whatever that session's backend.
 
     python tests/distribution_check.py
 
-The backend and the device count are set here, before Keras or JAX is imported.
+The backend, the platform (CPU) and the device count are set here, before Keras or JAX
+is imported.
 """
 
 import os
 
 os.environ["KERAS_BACKEND"] = "jax"
+os.environ["JAX_PLATFORMS"] = "cpu"  # the 8 virtual devices, also where a GPU is visible
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -25,6 +31,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from distribution_parity import LAYERS, NUM_HEADS, compare, data, fit, initial_weights  # noqa: E402
 
 import keras_mha  # noqa: E402
 from keras_mha import distribution as mha_distribution  # noqa: E402
@@ -139,6 +146,32 @@ def uneven_heads_error(mesh):
     return None
 
 
+def builtin_parity(devices):
+    """Ours and the built-in trained with `fit` under each distribution, and ours on
+    one device: `{distribution: distribution_parity.compare(...) + "sharding"}`, with
+    each distributed model's `{path: spec}` after training."""
+    mesh = keras.distribution.DeviceMesh((4, 2), ("batch", "model"), devices=devices)
+    distributions = {
+        "data_parallel": keras.distribution.DataParallel(devices=devices),
+        "model_parallel": keras.distribution.ModelParallel(
+            layout_map=mha_distribution.layout_map(mesh, num_heads=NUM_HEADS),
+            batch_dim_name="batch",
+        ),
+    }
+    x, y = data()
+    start = initial_weights()
+    one_device = fit(LAYERS["ours"], start, x, y)[:2]
+    results = {}
+    for name, distribution in distributions.items():
+        runs, sharding = {"ours_one_device": one_device}, {}
+        for layer_name, layer_class in LAYERS.items():
+            with distribution.scope():
+                *runs[layer_name], model = fit(layer_class, start, x, y)
+            sharding[layer_name] = sharding_specs(model)
+        results[name] = {**compare(runs, start), "sharding": sharding}
+    return results
+
+
 def main():
     devices = keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh(MESH_SHAPE, MESH_AXES, devices=devices)
@@ -170,6 +203,7 @@ def main():
         distributions = {name: candidates[name] for name in names}
         report["cases"][case] = run_case(layer_kwargs, call_kwargs, distributions, data)
     report["uneven_heads_error"] = uneven_heads_error(mesh)
+    report["builtin_parity"] = builtin_parity(devices)
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
 

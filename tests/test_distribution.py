@@ -1,14 +1,26 @@
-"""Head-parallel sharding: `keras_mha.distribution.layout_map` (issue 10).
+"""Head-parallel sharding (`keras_mha.distribution.layout_map`, issue 10) and training
+distributed by each engine, ours against the built-in (issue 29).
 
-The scale-out checks run on JAX with 8 virtual CPU devices in a subprocess
-(`tests/distribution_check.py`) whatever this session's backend, so they run once
-(`once`): JAX must see `XLA_FLAGS=--xla_force_host_platform_device_count=8` before it
-is imported. The `LayoutMap` itself is pure Python and is checked in process on every
-backend, as is what a distribution scope does on this session's backend.
+Each engine runs in a subprocess of its own, whatever this session's backend, so those
+tests run once (`once`) and cover the three backends between them:
+
+- JAX, `keras.distribution` on 8 virtual CPU devices (`tests/distribution_check.py`:
+  JAX must see `XLA_FLAGS=--xla_force_host_platform_device_count=8` before it is
+  imported): sharded against one device, and ours against the built-in under
+  `DataParallel` and `ModelParallel`;
+- TensorFlow, `tf.distribute.MirroredStrategy` over 2 logical CPUs
+  (`tests/distribution_check_tensorflow.py`: the CPU is split before TensorFlow starts);
+- torch, `DistributedDataParallel` over 2 gloo processes on 127.0.0.1
+  (`tests/distribution_check_torch.py`).
+
+The last two and the built-in comparison train the one problem of
+`tests/distribution_parity.py`. The `LayoutMap` itself is pure Python and is checked in
+process on every backend, as is what a distribution scope does on this session's backend.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +28,16 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from distribution_parity import STEPS
 
 from keras_mha import MultiHeadAttention
 from keras_mha import distribution as mha_distribution
 
 BACKEND = keras.backend.backend()
-CHECK_SCRIPT = Path(__file__).with_name("distribution_check.py")
+CHECKS = Path(__file__).parent
 TOLERANCE = 1e-5
+# Generous: a check takes well under a minute alone, but `make test` runs others beside it.
+CHECK_TIMEOUT = 600
 
 # Expected layouts on the (2, 4) ("batch", "model") mesh, written out per weight.
 SHARDED = {
@@ -65,24 +80,54 @@ def _mesh(shape=(2, 4), axis_names=("batch", "model")):
     return keras.distribution.DeviceMesh(shape, axis_names, devices=devices)
 
 
+# ------------------------------------------------------------ engine subprocesses
+def run_check(script, backend):
+    """Runs `tests/<script>` under `backend`; returns the JSON object it prints last.
+
+    The check runs in a session of its own, so on a timeout every process it started
+    (torch's ranks too) is killed with it.
+    """
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONHASHSEED": "0"}
+    process = subprocess.Popen(
+        [sys.executable, str(CHECKS / script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=CHECK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"{script} ran past {CHECK_TIMEOUT} s")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, stderr[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def assert_trained_alike(run):
+    """`run` (`distribution_parity.compare`): ours, the built-in and ours on one device
+    took the same steps, and training really moved the weights."""
+    assert set(run["losses"]) == {"ours", "builtin", "ours_one_device"}
+    for name, losses in run["losses"].items():
+        assert len(losses) == STEPS, name
+        np.testing.assert_allclose(losses, run["losses"]["builtin"], rtol=0, atol=TOLERANCE)
+    for pair, diff in run["weights_max_abs_diff"].items():
+        assert diff <= TOLERANCE, pair
+    for name, moved in run["moved"].items():
+        assert moved > 1e-2, name
+
+
 # ----------------------------------------------------- JAX, 8 devices, subprocess
 @pytest.fixture(scope="module")
 def report():
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "PYTHONHASHSEED": "0",
-    }
-    done = subprocess.run(
-        [sys.executable, str(CHECK_SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # The script adds the 8 devices to `XLA_FLAGS` (keeping `make test`'s own flags).
+    return run_check("distribution_check.py", "jax")
 
 
 @pytest.mark.once
@@ -129,6 +174,45 @@ def test_uneven_heads_without_num_heads_fail_when_variables_are_created(report):
     error = report["uneven_heads_error"]
     assert error is not None
     assert "divide" in error and "(16, 6, 4)" in error
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("dist", ["data_parallel", "model_parallel"])
+def test_keras_distribution_trains_ours_as_the_builtin(report, dist):
+    run = report["builtin_parity"][dist]
+    assert_trained_alike(run)
+    # The built-in's weights have our paths: the map shards both alike.
+    assert run["sharding"]["builtin"] == run["sharding"]["ours"]
+    for path, spec in run["sharding"]["ours"].items():
+        weight = path.split("/", 1)[1]
+        want = [None] * len(spec) if dist == "data_parallel" else SHARDED[weight]
+        assert spec == want, path
+
+
+# --------------------------------- TensorFlow, MirroredStrategy on 2 CPUs, subprocess
+@pytest.mark.once
+def test_mirrored_strategy_trains_ours_as_the_builtin():
+    run = run_check("distribution_check_tensorflow.py", "tensorflow")
+    assert run["backend"] == "tensorflow"
+    assert len(run["devices"]) == 2
+    assert run["replicas"] == 2
+    # Built in the strategy's scope: each variable is mirrored on both devices.
+    assert run["variable_types"] == {"ours": "MirroredVariable", "builtin": "MirroredVariable"}
+    assert_trained_alike(run)
+
+
+# ------------------------------------- torch, DistributedDataParallel, 2 processes
+@pytest.mark.once
+def test_distributed_data_parallel_trains_ours_as_the_builtin():
+    run = run_check("distribution_check_torch.py", "torch")
+    assert run["backend"] == "torch"
+    assert run["world_size"] == 2
+    assert run["ranks"] == [0, 1]
+    # Each rank saw half of every batch; the averaged gradients kept them equal, and
+    # equal to one process training on the whole batches (`ours_one_device`).
+    for name, diff in run["ranks_max_abs_diff"].items():
+        assert diff <= TOLERANCE, name
+    assert_trained_alike(run)
 
 
 # ------------------------------------------------- the LayoutMap, every backend
