@@ -20,6 +20,8 @@ from keras_mha import checks, equations, kernels, norms, projections, rope
 from keras_mha import masks as masks_lib
 from keras_mha import sinks as sinks_lib
 
+# What a query row with no visible key gets: see the `fully_masked_rows` argument.
+FULLY_MASKED_ROWS = ("zero", "builtin")
 _MASK_ARGUMENTS = ("query_mask", "value_mask", "key_mask", "attention_mask")
 # Call flags -> what `None` means: no causal mask, as the built-in reads it; the
 # constructor's default for the scores.
@@ -56,7 +58,10 @@ class MultiHeadAttention(keras.layers.Layer):
        uses the explicit kernel) instead of raising; with dropout it is accepted.
     5. A query row whose keys are all masked gets zero attention weights, hence a
        zero context (its output is the output projection's bias), with finite
-       outputs and gradients, on every kernel and backend.
+       outputs and gradients, on every kernel and backend. The built-in gives it
+       uniform weights (the mean of the values) on its default path and zero weights
+       when it returns scores or has dropout; `fully_masked_rows="builtin"` (what
+       `keras_mha.swap` builds) does the same.
     6. A model holding it, quantized (`model.quantize("int8" | "float8" | "int4")`),
        saves to `.keras` and loads back with the same outputs: the config records
        the projections' quantized dtype policies (Keras 3.15 rebuilds the built-in's
@@ -122,6 +127,14 @@ class MultiHeadAttention(keras.layers.Layer):
             positions are `cache_update_index + t` when decoding. Needs an even
             `key_dim` and `(B, T, dim)` inputs.
         rope_scaling_factor: Positions are divided by it (position interpolation).
+        fully_masked_rows: What a query row whose keys are all masked gets: "zero"
+            (zero weights, so its output is the output projection's bias, on every
+            path; difference 5) or "builtin": what the built-in gives it, the mean of
+            all the values (uniform weights) where the built-in runs
+            `ops.dot_product_attention` (no attention dropout, no scores requested,
+            one attention axis), zero weights elsewhere. `keras_mha.swap` and
+            `swapped()` build ours with "builtin", so a moved model predicts as before
+            where padded query rows reach its output (e.g. pooled after `x + attention`).
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -209,6 +222,7 @@ class MultiHeadAttention(keras.layers.Layer):
         use_sinks=False,
         rope_max_wavelength=None,
         rope_scaling_factor=1.0,
+        fully_masked_rows="zero",
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -253,6 +267,7 @@ class MultiHeadAttention(keras.layers.Layer):
             implementation = None
         checks.one_of("implementation", implementation, (None,) + kernels.IMPLEMENTATIONS)
         chunk_size = checks.positive_int("chunk_size", chunk_size, allow_none=True)
+        checks.one_of("fully_masked_rows", fully_masked_rows, FULLY_MASKED_ROWS)
         super().__init__(**kwargs)
         self.supports_masking = True
         self._num_heads = num_heads
@@ -282,6 +297,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self._use_sinks = use_sinks
         self._rope_max_wavelength = rope_max_wavelength
         self._rope_scaling_factor = rope_scaling_factor
+        self._fully_masked_rows = fully_masked_rows
         self._inverse_sqrt_key_dim = 1.0 / math.sqrt(float(self._key_dim))
 
     # ------------------------------------------------------------------ properties
@@ -368,6 +384,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "use_sinks": self._use_sinks,
             "rope_max_wavelength": self._rope_max_wavelength,
             "rope_scaling_factor": self._rope_scaling_factor,
+            "fully_masked_rows": self._fully_masked_rows,
             # Quantized projections are rebuilt quantized (see `policy_for_config`).
             "dtype": keras.dtype_policies.serialize(projections.policy_for_config(self)),
         }
@@ -862,7 +879,20 @@ class MultiHeadAttention(keras.layers.Layer):
             implementation=self._implementation or ("fused" if self._flash_attention else None),
             chunk_size=self._chunk_size,
             flash=self._flash_attention,
+            fully_masked=self._fully_masked(return_attention_scores),
         )
+
+    def _fully_masked(self, return_attention_scores):
+        """`kernels.attention`'s `fully_masked` for a call: "mean" where the built-in's
+        call would run `ops.dot_product_attention` (no attention dropout, no scores, one
+        attention axis; it has no sinks), with `fully_masked_rows="builtin"`."""
+        builtin_fused_path = (
+            self._dropout == 0.0
+            and not return_attention_scores
+            and len(self._attention_axes) == 1
+            and not self._use_sinks
+        )
+        return "mean" if self._fully_masked_rows == "builtin" and builtin_fused_path else "zero"
 
     # ---------------------------------------------------------------------- shapes
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):

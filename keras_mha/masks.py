@@ -105,6 +105,41 @@ class AttentionMask:
             parts.append(block_of(self.dense, query_start, query_size, key_start, key_size))
         return logical_and(*parts)
 
+    def empty_rows(self, query_length, key_length):
+        """Which query rows may see no key at all: boolean `(B or 1, N or 1, T)`, or
+        `None` when every row sees one.
+
+        The padding, causal and window factors are counted in `O(B * (T + S))`: the
+        visible keys of row `t` form one range, and a prefix sum of the keys' padding
+        counts the valid ones in it. A dense mask is reduced over its keys.
+        """
+        if self.dense is not None:
+            visible = self.block(0, query_length, 0, key_length)
+            return ops.logical_not(ops.any(visible, axis=-1))
+        if self.key_valid is None and not self.causal and self.window is None:
+            if self.query_valid is None:
+                return None
+            return ops.logical_not(self.query_valid)[:, None, :]
+        rows = ops.arange(query_length, dtype="int32") + self.offset  # (T,)
+        lo = ops.zeros_like(rows)
+        hi = ops.full_like(rows, key_length)
+        if self.causal:
+            hi = ops.minimum(hi, rows + 1)
+        if self.window is not None:
+            hi = ops.minimum(hi, rows + self.window)
+            lo = ops.maximum(lo, rows - self.window + 1)
+        lo, hi = (ops.clip(x, 0, key_length) for x in (lo, hi))
+        if self.key_valid is None:
+            count = (hi - lo)[None, :]
+        else:
+            valid = ops.cast(self.key_valid, "int32")
+            before = ops.concatenate([ops.zeros_like(valid[:, :1]), ops.cumsum(valid, 1)], 1)
+            count = ops.take(before, hi, axis=1) - ops.take(before, lo, axis=1)  # (B, T)
+        empty = ops.less_equal(count, 0)
+        if self.query_valid is not None:
+            empty = ops.logical_or(empty, ops.logical_not(self.query_valid))
+        return empty[:, None, :]
+
     def _positions(self, query_start, query_size, key_start, key_size):
         """`(1, 1, q, 1)` query positions (offset added) and `(1, 1, 1, k)` key positions."""
         query_size = self._length(query_size, 2)

@@ -62,7 +62,9 @@ def swapped():
     """Constructs `keras_mha.MultiHeadAttention` wherever the built-in would be.
 
     While the context is active, `keras.layers.MultiHeadAttention(...)` (however it
-    was imported) returns `keras_mha.MultiHeadAttention(...)` with the same arguments,
+    was imported) returns `keras_mha.MultiHeadAttention(...)` with the same arguments
+    and `fully_masked_rows="builtin"` (a query row with no visible key gets what the
+    built-in gives it),
     and a subclass of the built-in returns an instance of the same subclass rebuilt on
     ours, when it uses only protected names ours provides (others are constructed as
     they are, with a warning). Covers code that builds its own layers:
@@ -98,13 +100,21 @@ def _new(cls, *args, **kwargs):
     call `cls.__init__` on it, so ours is constructed exactly once, by its own class.
     """
     if cls is BUILTIN:
-        return layer_lib.MultiHeadAttention(*args, **kwargs)
+        return _as_builtin(layer_lib.MultiHeadAttention(*args, **kwargs), kwargs)
     target = rebuilt_class(cls)
     if target is not None:
-        return target(*args, **kwargs)
+        return _as_builtin(target(*args, **kwargs), kwargs)
     if _saved_new is not None:
         return _saved_new(cls, *args, **kwargs)
     return super(BUILTIN, cls).__new__(cls, *args, **kwargs)
+
+
+def _as_builtin(layer, kwargs):
+    """A layer built in the built-in's place gives a row with no visible key what the
+    built-in gives it (`fully_masked_rows="builtin"`), unless its config says."""
+    if "fully_masked_rows" not in kwargs:
+        layer._fully_masked_rows = "builtin"
+    return layer
 
 
 def swap(model):

@@ -269,3 +269,104 @@ def test_builtin_scores_path_agrees_with_ours_on_masked_rows(rng):
     fused = to_numpy(builtin(q, v, attention_mask=mask_tensor))
     rows = mask.any(-1)
     np.testing.assert_allclose(fused[rows], output[rows], atol=ATOL)
+
+
+# ------------------------- 5b. fully_masked_rows="builtin": the built-in's answer, path by path
+def _builtin_pair(rng, q, v, implementation=None, **config):
+    ours = _layer_with_bias(implementation, q, v, rng)
+    ours = keras_mha.MultiHeadAttention.from_config(
+        {**ours.get_config(), **config, "fully_masked_rows": "builtin"}
+    )
+    ours.build(q.shape, v.shape)
+    builtin = keras.layers.MultiHeadAttention(
+        num_heads=2, key_dim=4, dropout=config.get("dropout", 0.0)
+    )
+    builtin.build(q.shape, v.shape)
+    weights = [w + rng.standard_normal(w.shape).astype(w.dtype) * 0.1 for w in ours.get_weights()]
+    ours.set_weights(weights)
+    builtin.set_weights(weights)
+    return ours, builtin
+
+
+def _padded_masks(rng):
+    """A query-padding Keras-style mask and a key padding hiding all of batch 1's keys."""
+    q, v = random_inputs(rng, (2, 5, 8), (2, 7, 8))
+    query_valid = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+    key_valid = np.array([[1, 1, 1, 1, 1, 0, 0], [0] * 7], bool)
+    return q, v, query_valid, key_valid
+
+
+@pytest.mark.parametrize("implementation", ["explicit", "fused", "chunked"])
+def test_fully_masked_rows_builtin_mode_matches_builtins_default_path(implementation, rng):
+    """No dropout, no scores: the built-in runs `ops.dot_product_attention`, which gives
+    a row with no visible key uniform weights (the values' mean); so does ours."""
+    q, v, query_valid, key_valid = _padded_masks(rng)
+    ours, builtin = _builtin_pair(rng, q, v, implementation)
+    mask = query_valid[:, :, None] & key_valid[:, None, :]
+    expected = to_numpy(builtin(q, v, attention_mask=mask))
+    got = to_numpy(ours(q, v, query_mask=query_valid, value_mask=key_valid))
+    np.testing.assert_allclose(got, expected, atol=ATOL)
+    # Not the zero rows of difference 5: the check can fail.
+    bias = to_numpy(ours.output_dense.bias)
+    assert np.abs(got[1, 0] - bias).max() > 1e-3
+    # Gradients agree too (the mean passes them to every value, 1 / S each). On torch
+    # the built-in's additive float mask leaves those rows uniform only by rounding, and
+    # its backward differs there: its gradients are compared through the other rows.
+    seen = mask.any(-1)[:, :, None].astype("float32")
+    losses = [None]
+    if keras.backend.backend() == "torch":
+        losses = [lambda y: keras.ops.sum(keras.ops.square(keras.ops.multiply(y, seen))) / 2.0]
+    for loss in losses:
+        _, ours_grads, _ = gradients(ours, {"query": q, "value": v}, loss, attention_mask=mask)
+        _, expected, _ = gradients(builtin, {"query": q, "value": v}, loss, attention_mask=mask)
+        for name in ("query", "value"):
+            np.testing.assert_allclose(ours_grads[name], expected[name], atol=1e-4)
+
+
+@pytest.mark.parametrize("implementation", ["explicit", "fused", "chunked"])
+def test_fully_masked_rows_builtin_mode_with_causal_and_window(implementation, rng):
+    """Rows that see no key because causality or a window leaves only padded keys."""
+    q, v = random_inputs(rng, (2, 6, 8), (2, 6, 8))
+    key_valid = np.ones((2, 6), bool)
+    key_valid[0, :3] = False  # left padding: causal rows 0-2 of batch 0 see nothing
+    key_valid[1, 2:] = False  # with a window of 2, rows 4-5 of batch 1 see nothing
+    for window, causal in ((None, True), (2, False)):
+        ours, builtin = _builtin_pair(rng, q, v, implementation)
+        ours = keras_mha.MultiHeadAttention.from_config(
+            {**ours.get_config(), "sliding_window": window}
+        )
+        ours.build(q.shape, v.shape)
+        ours.set_weights(builtin.get_weights())
+        rows, cols = np.arange(6)[:, None], np.arange(6)[None, :]
+        band = np.ones((6, 6), bool) if window is None else np.abs(rows - cols) < window
+        dense = key_valid[:, None, :] & band & ((rows >= cols) if causal else True)
+        expected = to_numpy(builtin(q, v, attention_mask=dense))
+        got = to_numpy(ours(q, v, value_mask=key_valid, use_causal_mask=causal))
+        np.testing.assert_allclose(got, expected, atol=ATOL)
+
+
+def test_fully_masked_rows_builtin_mode_zero_where_the_builtin_gives_zero(rng):
+    """With scores requested, or with attention dropout, the built-in takes its softmax
+    path, whose fully masked rows get zero weights: so does ours in "builtin" mode."""
+    q, v, query_valid, key_valid = _padded_masks(rng)
+    mask = query_valid[:, :, None] & key_valid[:, None, :]
+    ours, builtin = _builtin_pair(rng, q, v)
+    expected, expected_scores = to_numpy(
+        builtin(q, v, attention_mask=mask, return_attention_scores=True)
+    )
+    got, scores = to_numpy(ours(q, v, attention_mask=mask, return_attention_scores=True))
+    np.testing.assert_allclose(got, expected, atol=ATOL)
+    np.testing.assert_allclose(scores, expected_scores, atol=ATOL)
+    ours, builtin = _builtin_pair(rng, q, v, dropout=0.5)
+    np.testing.assert_allclose(
+        to_numpy(ours(q, v, attention_mask=mask)),
+        to_numpy(builtin(q, v, attention_mask=mask)),
+        atol=ATOL,
+    )
+
+
+def test_fully_masked_rows_rejects_other_values():
+    with pytest.raises(ValueError, match="fully_masked_rows"):
+        keras_mha.MultiHeadAttention(num_heads=2, key_dim=4, fully_masked_rows="mean")
+    layer = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4, fully_masked_rows="builtin")
+    assert layer.get_config()["fully_masked_rows"] == "builtin"

@@ -194,3 +194,50 @@ def test_expand_to_scores_inserts_the_batch_like_axes():
     assert tuple(masks.expand_to_scores(mask, 6, 2).shape) == (B, 1, 4, 5, 6, 7)
     mask = ops.ones((B, T, S), "bool")
     assert tuple(masks.expand_to_scores(mask, 5, 1).shape) == (B, 1, 1, T, S)
+
+
+# -------------------------------------------------------------------- empty rows
+@pytest.mark.parametrize(
+    "factors",
+    [
+        dict(query=True),
+        dict(key=True),
+        dict(key=True, causal=True),
+        dict(key=True, causal=True, offset=2),
+        dict(key=True, window=2),
+        dict(query=True, key=True, causal=True, window=3, offset=1),
+        dict(causal=True, offset=-3),
+        dict(key=True, dense=True),
+    ],
+    ids=lambda f: "-".join(sorted(f)),
+)
+def test_empty_rows_are_the_rows_the_written_out_mask_leaves_empty(factors):
+    rng = np.random.default_rng(4)
+    query_valid = rng.random((B, T)) > 0.3 if factors.get("query") else None
+    key_valid = None
+    if factors.get("key"):
+        key_valid = rng.random((B, S)) > 0.5
+        key_valid[0, :4] = False  # left padding: early causal rows see nothing
+        key_valid[1] = False  # no key at all
+        key_valid[1, -1] = factors.get("dense", False)
+    dense = rng.random((1, N, T, S)) > 0.6 if factors.get("dense") else None
+    offset = factors.get("offset", 0)
+    mask = masks.AttentionMask(
+        query_valid=None if query_valid is None else ops.convert_to_tensor(query_valid),
+        key_valid=None if key_valid is None else ops.convert_to_tensor(key_valid),
+        causal=factors.get("causal", False),
+        offset=offset,
+        window=factors.get("window"),
+        dense=None if dense is None else ops.convert_to_tensor(dense),
+    )
+    expected = ~_numpy_mask(
+        query_valid, key_valid, factors.get("causal", False), offset, factors.get("window"), dense
+    ).any(-1)
+    assert expected.any() and not expected.all()  # the check can fail either way
+    got = to_numpy(mask.empty_rows(T, S))
+    np.testing.assert_array_equal(np.broadcast_to(got, expected.shape), expected)
+
+
+def test_empty_rows_is_none_when_nothing_is_masked():
+    assert masks.AttentionMask().empty_rows(T, S) is None
+    assert not to_numpy(masks.AttentionMask(causal=True).empty_rows(T, S)).any()

@@ -206,3 +206,16 @@ def test_protected_names_a_rebuilt_subclass_may_use_exist_on_a_built_layer():
         assert name in shared
         assert hasattr(layer, name)
     assert swapping.PROTECTED_OVERRIDES <= shared
+
+
+def test_swapped_layers_give_fully_masked_rows_what_the_builtin_gives(classifier, tmp_path):
+    """Swapping builds ours with `fully_masked_rows="builtin"`, and a saved swap keeps it;
+    a layer constructed directly keeps the default."""
+    swapped = keras_mha.swap(classifier)
+    layers = _attention(swapped)
+    assert layers and all(layer.get_config()["fully_masked_rows"] == "builtin" for layer in layers)
+    path = tmp_path / "swapped.keras"
+    keras_mha.save_swapped(swapped, path)
+    loaded = keras.saving.load_model(path)
+    assert all(layer.get_config()["fully_masked_rows"] == "builtin" for layer in _attention(loaded))
+    assert keras_mha.MultiHeadAttention(2, 4).get_config()["fully_masked_rows"] == "zero"
