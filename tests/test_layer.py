@@ -507,6 +507,7 @@ MASK_CASES = {
     "explicit_query_mask": (("query", "value"), {"explicit_query_mask": True}),
     "explicit_query_mask_unmasked_query": (("value",), {"explicit_query_mask": True}),
     "with_scores": (("query", "value"), {"return_attention_scores": True}),
+    "causal_with_scores": ((), {"return_attention_scores": True, "use_causal_mask": True}),
 }
 
 
@@ -533,8 +534,9 @@ def _mask_effects(layer, case, compiled_call):
         kwargs = {}
         if options.get("explicit_query_mask"):
             kwargs["query_mask"] = explicit
-        if options.get("return_attention_scores"):
-            kwargs["return_attention_scores"] = True
+        for flag in ("return_attention_scores", "use_causal_mask"):
+            if options.get(flag):
+                kwargs[flag] = True
         result = layer(**tensors, **kwargs)
         output = result[0] if isinstance(result, tuple) else result
         seen["inputs_masked"] = {
