@@ -298,11 +298,16 @@ def _swap(args):
         )
     console.print(render_layers(result["layers"], title=f"{args.input} -> {args.output}"))
     shapes = ", ".join(f"{k} {tuple(v)}" for k, v in result["inputs"].items())
-    diff = f"largest output difference {result['max_abs_diff']:.1e} on {shapes} ({backend})"
-    if result["passed"]:
-        console.print(f"[green]PASS[/green]: {diff}, within {result['tolerance']:g}")
-    else:
-        console.print(f"[red]FAIL[/red]: {diff}, above {result['tolerance']:g}")
+    for name, case in result["input_cases"].items():
+        diff = (
+            f"{name} inputs: largest output difference {case['max_abs_diff']:.1e}, "
+            f"gradient {case['grad_max_abs_diff']:.1e} on {shapes} ({backend})"
+            + (", output masks differ" if case.get("masks_match") is False else "")
+        )
+        if case["passed"]:
+            console.print(f"[green]PASS[/green]: {diff}, within {result['tolerance']:g}")
+        else:
+            console.print(f"[red]FAIL[/red]: {diff}, above {result['tolerance']:g}")
     console.print(f"written to {result['out']}")
     return 0 if result["passed"] else 1
 
@@ -357,12 +362,21 @@ def render_table(backend, records):
         if r["ours_error"]:
             status = f"[red]FAIL: {r['ours_error']}[/red]"
         elif not r["passed"]:
-            status = "[red]FAIL: above tolerance[/red]"
+            differed = compare.failed_input_cases(r)
+            where = f" on {' and '.join(differed)} inputs" if differed else ""
+            status = f"[red]FAIL: above tolerance{where}[/red]"
         elif r["builtin_error"]:
             notes.append(f"{r['case']}: the built-in failed: {r['builtin_error']}")
             status = "[yellow]ok, built-in failed[/yellow]"
         else:
             status = "[green]ok[/green]"
+        for name, case in (r.get("input_cases") or {}).items():
+            notes.append(
+                f"{r['case']}, {name} inputs: output diff {_sci(case['max_abs_diff'])}, "
+                f"grad diff {_sci(case['grad_max_abs_diff'])}"
+                + (", output masks differ" if case.get("masks_match") is False else "")
+                + ("" if case["passed"] else " [red](differs)[/red]")
+            )
         table.add_row(
             r["case"],
             _sci(r["max_abs_diff"]),
@@ -392,7 +406,11 @@ def render_table(backend, records):
 
 def verdict(backend, records):
     """One line: pass or fail, how many cases, and the median speed ratios."""
-    failed = [r["case"] for r in records if not r["passed"]]
+    failed = [
+        r["case"] + "".join(f" ({name} inputs)" for name in compare.failed_input_cases(r))
+        for r in records
+        if not r["passed"]
+    ]
     compared = sum(r["max_abs_diff"] is not None for r in records)
     speed = []
     for step in ("predict", "train", "peak"):

@@ -21,7 +21,9 @@ run `value_dim != key_dim`) its fields are `None` and `builtin_error` holds its 
 
 `compare_model` does the same for the user's own model (`keras-mha compare --model`):
 it loads a `.keras` file as it is and swapped (`keras_mha.swapping`), compares the
-outputs and the gradients of a scalar loss with respect to the trainable weights, times
+outputs and the gradients of a scalar loss with respect to the trainable weights, on
+synthesised inputs without padding and, where the model takes padding (an
+`Embedding(mask_zero=True)` or mask inputs), with padding (`user_model.padded`), times
 `predict_on_batch` and a train step (SGD on an MSE loss against zeros, for both), and
 `run_model_backend` adds the peak memory of each, measured in a fresh process per model
 (the GPU's peak allocation where the backend has one, else the process's peak RSS).
@@ -478,8 +480,11 @@ def compare_model(path, imports=(), inputs=None, repeats=None, perturb=0.0, seed
         seed: Seed of the synthesised inputs, the cotangents and the noise.
 
     Returns:
-        A record (the keys of `RECORD_KEYS`, `case` being the model's name), plus
-        `inputs` (name -> shape) and `layers` (`swapping.swap_report`'s rows).
+        A record (the keys of `RECORD_KEYS`, `case` being the model's name; the
+        differences the largest over the input cases), plus `inputs` (name ->
+        shape), `layers` (`swapping.swap_report`'s rows) and `input_cases`
+        ("unpadded" / "padded", or "given" for a file -> that case's differences and
+        `passed`); it passes when every input case does.
 
     Raises:
         user_model.UsageError: The file, a module or the inputs cannot be used.
@@ -504,33 +509,22 @@ def compare_model(path, imports=(), inputs=None, repeats=None, perturb=0.0, seed
     )
     from keras_mha import user_model
 
+    record["input_cases"] = {}
+    for name, case_arrays in _input_cases(builtin, specs, arrays, inputs):
+        try:
+            result = _compare_on(builtin, ours, user_model.model_inputs(builtin, case_arrays), rng)
+        except Exception as error:
+            record["ours_error"] = _error_text(error)
+            record["passed"] = False
+            return record
+        record["builtin_error"] = record["builtin_error"] or result.pop("builtin_error")
+        result["passed"] = _case_passed(result)
+        record["input_cases"][name] = result
+        for key in ("max_abs_diff", "grad_max_abs_diff", "grad_scale"):
+            values = [v for v in (record[key], result[key]) if v is not None]
+            record[key] = max(values) if values else None
     feed = user_model.model_inputs(builtin, arrays)
-    try:
-        reference = _flat_outputs(builtin.predict_on_batch(feed))
-    except Exception as error:
-        reference = None
-        record["builtin_error"] = _error_text(error)
-    try:
-        result = _flat_outputs(ours.predict_on_batch(feed))
-        cotangents = [rng.standard_normal(o.shape).astype("float32") for o in result]
-        ours_grads = _weight_gradients(ours, feed, cotangents)
-        if reference is not None:
-            record["max_abs_diff"] = max(_max_abs_diff(a, b) for a, b in zip(result, reference))
-            builtin_grads = _weight_gradients(builtin, feed, cotangents)
-            if [g.shape for g in ours_grads] != [g.shape for g in builtin_grads]:
-                raise ValueError("the trainable weights of the two models do not pair up")
-            record["grad_max_abs_diff"] = max(
-                (_max_abs_diff(a, b) for a, b in zip(ours_grads, builtin_grads)), default=0.0
-            )
-            record["grad_scale"] = max(
-                (float(np.max(np.abs(g))) for g in builtin_grads if g.size), default=0.0
-            )
-        finite = all(np.all(np.isfinite(x)) for x in [*result, *ours_grads])
-    except Exception as error:
-        record["ours_error"] = _error_text(error)
-        record["passed"] = False
-        return record
-    record["passed"] = bool(finite and within_tolerance(record))
+    record["passed"] = all(case["passed"] for case in record["input_cases"].values())
     if repeats > 0:
         try:
             _time_user_models(record, ours, builtin, feed, repeats)
@@ -540,13 +534,105 @@ def compare_model(path, imports=(), inputs=None, repeats=None, perturb=0.0, seed
     return record
 
 
+def _input_cases(model, specs, arrays, inputs_file):
+    """`[(name, arrays)]`: the inputs as given or synthesised ("unpadded"), and, when
+    synthesised for a model that takes padding, the same with padding ("padded", see
+    `user_model.padded`): masks then reach the layers after the attention."""
+    from keras_mha import user_model
+
+    cases = [("unpadded" if inputs_file is None else "given", arrays)]
+    if inputs_file is None:
+        padded = user_model.padded(model, specs, arrays)
+        if padded is not None:
+            cases.append(("padded", padded))
+    return cases
+
+
+def _compare_on(builtin, ours, feed, rng):
+    """Outputs, their Keras masks and weight gradients of both models on one input
+    case: a dict with `max_abs_diff`, `grad_max_abs_diff`, `grad_scale`,
+    `masks_match` (`None` where the built-in failed), `builtin_error` and `finite`
+    (ours). Ours failing raises."""
+    found = dict(
+        max_abs_diff=None,
+        grad_max_abs_diff=None,
+        grad_scale=None,
+        masks_match=None,
+        builtin_error=None,
+    )
+    try:
+        reference = _flat_outputs(builtin.predict_on_batch(feed))
+    except Exception as error:
+        reference = None
+        found["builtin_error"] = _error_text(error)
+    result = _flat_outputs(ours.predict_on_batch(feed))
+    cotangents = [rng.standard_normal(o.shape).astype("float32") for o in result]
+    ours_grads = _weight_gradients(ours, feed, cotangents)
+    if reference is not None:
+        found["max_abs_diff"] = max(_max_abs_diff(a, b) for a, b in zip(result, reference))
+        builtin_grads = _weight_gradients(builtin, feed, cotangents)
+        if [g.shape for g in ours_grads] != [g.shape for g in builtin_grads]:
+            raise ValueError("the trainable weights of the two models do not pair up")
+        found["grad_max_abs_diff"] = max(
+            (_max_abs_diff(a, b) for a, b in zip(ours_grads, builtin_grads)), default=0.0
+        )
+        found["grad_scale"] = max(
+            (float(np.max(np.abs(g))) for g in builtin_grads if g.size), default=0.0
+        )
+        found["masks_match"] = all(
+            _same_mask(a, b)
+            for a, b in zip(_output_masks(ours, feed), _output_masks(builtin, feed))
+        )
+    found["finite"] = bool(all(np.all(np.isfinite(x)) for x in [*result, *ours_grads]))
+    return found
+
+
+def _case_passed(result):
+    """Ours finite, differences within tolerance, the outputs' masks the same."""
+    finite = result.pop("finite")
+    return bool(finite and within_tolerance(result) and result["masks_match"] is not False)
+
+
+def _output_masks(model, feed):
+    """The Keras mask of each output of an eager call (what a loss reads), NumPy or
+    `None`."""
+    import keras
+
+    from keras_mha.masks import get_keras_mask
+
+    outputs = keras.tree.flatten(model(feed, training=False))
+    masks = [get_keras_mask(o) for o in outputs]
+    return [None if m is None else np.asarray(keras.ops.convert_to_numpy(m)) for m in masks]
+
+
+def _same_mask(a, b):
+    """Whether two output masks hide the same positions (no mask = nothing hidden)."""
+    if a is None or b is None:
+        present = b if a is None else a
+        return present is None or bool(np.all(present))
+    try:
+        return bool(np.array_equal(*np.broadcast_arrays(a.astype(bool), b.astype(bool))))
+    except ValueError:
+        return False
+
+
+def failed_input_cases(record):
+    """Names of the input cases ("unpadded", "padded", "given") whose results differ."""
+    cases = record.get("input_cases") or {}
+    return [name for name, case in cases.items() if not case.get("passed")]
+
+
 def swap_file(in_path, out_path, imports=(), inputs=None, perturb=0.0, seed=0):
-    """`keras-mha swap`: loads `in_path` as it is and swapped, compares their outputs on
-    the inputs, writes the swapped model to `out_path` (see `swapping.save_swapped`).
+    """`keras-mha swap`: loads `in_path` as it is and swapped, compares their outputs
+    and weight gradients on each input case (unpadded and, where the model takes
+    padding, padded: `_input_cases`), writes the swapped model to `out_path` (see
+    `swapping.save_swapped`).
 
     Returns:
         A dict: `backend`, `model`, `layers` (`swapping.swap_report`'s rows),
-        `inputs` (name -> shape), `max_abs_diff`, `tolerance`, `passed`, `out`.
+        `inputs` (name -> shape), `max_abs_diff`, `grad_max_abs_diff` (largest over
+        the cases), `input_cases` (name -> its differences and `passed`),
+        `tolerance`, `passed`, `out`.
 
     Raises:
         user_model.UsageError: The files, a module or the inputs cannot be used;
@@ -560,19 +646,26 @@ def swap_file(in_path, out_path, imports=(), inputs=None, perturb=0.0, seed=0):
     builtin, ours, rows, arrays, specs = _load_pair(in_path, imports, inputs, seed)
     if perturb:
         _perturb(ours, perturb, np.random.default_rng(seed))
-    feed = user_model.model_inputs(builtin, arrays)
-    reference = _flat_outputs(builtin.predict_on_batch(feed))
-    result = _flat_outputs(ours.predict_on_batch(feed))
-    diff = max(_max_abs_diff(a, b) for a, b in zip(result, reference))
+    rng = np.random.default_rng(seed)
+    cases = {}
+    for name, case_arrays in _input_cases(builtin, specs, arrays, inputs):
+        result = _compare_on(builtin, ours, user_model.model_inputs(builtin, case_arrays), rng)
+        if result["builtin_error"]:
+            raise RuntimeError(f"the model as it is fails: {result['builtin_error']}")
+        result["passed"] = _case_passed(result)
+        del result["builtin_error"]
+        cases[name] = result
     swapping.save_swapped(ours, out_path)
     return {
         "backend": keras.backend.backend(),
         "model": builtin.name,
         "layers": rows,
         "inputs": {name: list(a.shape) for (name, _, _), a in zip(specs, arrays)},
-        "max_abs_diff": diff,
+        "max_abs_diff": max(case["max_abs_diff"] for case in cases.values()),
+        "grad_max_abs_diff": max(case["grad_max_abs_diff"] for case in cases.values()),
+        "input_cases": cases,
         "tolerance": ATOL,
-        "passed": bool(diff <= ATOL and all(np.all(np.isfinite(r)) for r in result)),
+        "passed": all(case["passed"] for case in cases.values()),
         "out": out_path,
     }
 

@@ -69,6 +69,11 @@ class MultiHeadAttention(keras.layers.Layer):
     7. `mixed_float16` in a compiled (XLA) model on JAX's CPU predicts and trains
        (the built-in fails there: "The precision 'F16_F16_F32' is not supported by
        dot_general on CPU").
+    8. An explicit `query_mask` call argument masks the queries; the built-in
+       ignores it (it reads only the query's Keras mask). The output's Keras mask
+       is the query's Keras mask (or none), as with the built-in.
+    9. With `keep_input_masks=True` (off by default), the tensors passed in keep
+       their Keras masks; by default they lose them, as with the built-in.
 
     Args:
         num_heads: Number of attention heads `N`.
@@ -135,6 +140,12 @@ class MultiHeadAttention(keras.layers.Layer):
             one attention axis), zero weights elsewhere. `keras_mha.swap` and
             `swapped()` build ours with "builtin", so a moved model predicts as before
             where padded query rows reach its output (e.g. pooled after `x + attention`).
+        keep_input_masks: Opt-in, off by default (a difference from the built-in
+            when on): the `query`, `value` and `key` tensors passed in keep their
+            Keras masks after the call. By default they lose them, as with the
+            built-in, so mask-aware layers that read those tensors afterwards (a
+            residual add, pooling, recurrent layers, the loss) see what they see
+            with the built-in.
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -145,7 +156,9 @@ class MultiHeadAttention(keras.layers.Layer):
         value_mask: Optional `(B, S)` padding mask of the value.
         key_mask: Optional `(B, S)` padding mask of the key. Keras implicit masks
             (`Embedding(mask_zero=True)`, `Masking`) on the inputs fill these three
-            automatically; the query's mask is set on the output.
+            automatically; the query's Keras mask is set on the output, and the
+            inputs' Keras masks are removed, as the built-in does (see
+            `keep_input_masks`).
         attention_mask: Optional mask broadcastable to the scores as the built-in
             broadcasts it: `(T, S)`, `(B, T, S)` or, per head, `(B, N, T, S)` (for
             N-d attention, missing axes are inserted before the query attention
@@ -223,6 +236,7 @@ class MultiHeadAttention(keras.layers.Layer):
         rope_max_wavelength=None,
         rope_scaling_factor=1.0,
         fully_masked_rows="zero",
+        keep_input_masks=False,
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -244,6 +258,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "rope_max_wavelength", rope_max_wavelength, allow_none=True
         )
         rope_scaling_factor = checks.positive_number("rope_scaling_factor", rope_scaling_factor)
+        keep_input_masks = checks.flag("keep_input_masks", keep_input_masks)
         if rope_max_wavelength is not None and key_dim % 2:
             raise checks.invalid(
                 "key_dim", "an even size per head to rotate with `rope_max_wavelength`", key_dim
@@ -298,6 +313,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self._rope_max_wavelength = rope_max_wavelength
         self._rope_scaling_factor = rope_scaling_factor
         self._fully_masked_rows = fully_masked_rows
+        self._keep_input_masks = keep_input_masks
         self._inverse_sqrt_key_dim = 1.0 / math.sqrt(float(self._key_dim))
 
     # ------------------------------------------------------------------ properties
@@ -387,6 +403,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "fully_masked_rows": self._fully_masked_rows,
             # Quantized projections are rebuilt quantized (see `policy_for_config`).
             "dtype": keras.dtype_policies.serialize(projections.policy_for_config(self)),
+            "keep_input_masks": self._keep_input_masks,
         }
         return {**super().get_config(), **config}
 
@@ -520,8 +537,12 @@ class MultiHeadAttention(keras.layers.Layer):
     ):
         if key is None:
             key = value
+        # The built-in sets the query's Keras mask (not an explicit `query_mask`) on
+        # the output, and removes the inputs' Keras masks (`_project`).
+        callers_tensors = (query, value, key)
+        output_mask = masks_lib.get_keras_mask(query)
         if query_mask is None:
-            query_mask = masks_lib.get_keras_mask(query)
+            query_mask = output_mask
         value, key = (self._broadcast_free_axes(query, x) for x in (value, key))
         need_scores = self._wants_scores(return_attention_scores)
         cache_update_index = self._check_cache(query, cache, cache_update_index)
@@ -541,7 +562,9 @@ class MultiHeadAttention(keras.layers.Layer):
             checks.scores_shape(tuple(query.shape), keys, self._attention_axes, self._num_heads),
         )
 
-        projected_query, projected_key, projected_value, gate = self._project(query, key, value)
+        projected_query, projected_key, projected_value, gate = self._project(
+            query, key, value, callers_tensors
+        )
         if self._normalize_qk:
             projected_query = self._query_norm(projected_query)
             projected_key = self._key_norm(projected_key)
@@ -581,8 +604,10 @@ class MultiHeadAttention(keras.layers.Layer):
         if gate is not None:
             attention_output = ops.multiply(attention_output, gate)
         output = self._output_dense(attention_output)
-        if query_mask is not None:
-            masks_lib.set_keras_mask(output, query_mask)
+        if output_mask is not None:
+            masks_lib.set_keras_mask(output, output_mask)
+        if need_scores and len(query.shape) == 3:
+            self._mask_scores(scores, query, value if cache is None else projected_key, masks)
         if cache is not None:
             return (output, scores, cache) if need_scores else (output, cache)
         return (output, scores) if need_scores else output
@@ -638,25 +663,37 @@ class MultiHeadAttention(keras.layers.Layer):
             return self._return_attention_scores
         return checks.flag("return_attention_scores", return_attention_scores)
 
-    def _project(self, query, key, value):
+    def _project(self, query, key, value, callers_tensors):
         """Runs the projections; returns `(query, key, value, gate or None)`.
 
-        Keras masks are detached while the (mask-unaware) projections run, so they
-        raise no warning, and put back afterwards: the caller's tensors keep them.
+        The Keras masks of `callers_tensors` (the `query`, `value` and `key` the call
+        received) are removed, as the built-in removes them: layers after the
+        attention that read the caller's tensors (a residual add, pooling, a loss)
+        see no mask there, and the (mask-unaware) projections raise no warning. With
+        `keep_input_masks=True` they are put back once the projections have run.
         """
-        inputs = (query, key, value)
-        saved = [masks_lib.get_keras_mask(x) for x in inputs]
-        for x in inputs:
+        saved = [masks_lib.get_keras_mask(x) for x in callers_tensors]
+        for x in callers_tensors:
             masks_lib.set_keras_mask(x, None)
         try:
             gate = self._gate_dense(query) if self._use_gate else None
             denses = (self._query_dense, self._key_dense, self._value_dense)
-            projected = tuple(dense(x) for dense, x in zip(denses, inputs))
+            projected = tuple(dense(x) for dense, x in zip(denses, (query, key, value)))
         finally:
-            for x, mask in zip(inputs, saved):
-                if mask is not None:
-                    masks_lib.set_keras_mask(x, mask)
+            if self._keep_input_masks:
+                for x, mask in zip(callers_tensors, saved):
+                    if mask is not None:
+                        masks_lib.set_keras_mask(x, mask)
         return (*projected, gate)
+
+    def _mask_scores(self, scores, query, keys, masks):
+        """Sets the call's merged mask on the returned scores as their Keras mask, as
+        the built-in's softmax layer does (`(B or 1, 1, T, S)`; none when nothing is
+        masked)."""
+        dense = masks_lib.as_bool(self._compute_attention_mask(query, keys, **masks))
+        if dense is not None:
+            dense = masks_lib.expand_to_scores(dense, len(scores.shape), 1)
+            masks_lib.set_keras_mask(scores, dense)
 
     def _broadcast_free_axes(self, query, x):
         """N-d attention over some axes: a value/key of size 1 on an axis attention does

@@ -110,6 +110,75 @@ def synthesize(specs, path, seed=0):
     return arrays
 
 
+def padded(model, specs, arrays):
+    """The arrays with padding, or `None` where the model takes none: each row `b`
+    keeps its first `max(1, (b + 1) * L // (B + 1))` positions along axis 1. Integer
+    inputs that reach an `Embedding(mask_zero=True)` (found by walking the model's
+    graph back from each such embedding) get trailing zeros; mask inputs (bool, or
+    integer named `*mask*`) get trailing `False`/0 at the same positions."""
+    if not specs or len(specs) != len(arrays):
+        return None
+    feeding = _inputs_feeding_masked_embeddings(model)
+    result, changed = [], False
+    for index, ((name, _, dtype), array) in enumerate(zip(specs, arrays)):
+        kind = _kind(dtype)
+        mask_input = kind == "b" or (kind in "iu" and "mask" in name.lower())
+        if array.ndim < 2 or array.shape[1] < 2 or not (mask_input or index in feeding):
+            result.append(array)
+            continue
+        batch, length = array.shape[:2]
+        kept = np.array([max(1, (b + 1) * length // (batch + 1)) for b in range(batch)])
+        valid = np.arange(length)[None, :] < kept[:, None]
+        valid = valid.reshape(valid.shape + (1,) * (array.ndim - 2))
+        if mask_input:
+            array = np.broadcast_to(valid, array.shape).astype(array.dtype)
+        else:
+            array = np.where(valid, array, 0).astype(array.dtype)
+        result.append(array)
+        changed = True
+    return result if changed else None
+
+
+def _inputs_feeding_masked_embeddings(model):
+    """Indices of the model's inputs from which an `Embedding(mask_zero=True)` (or a
+    layer holding one) is reached, through any layers and ops."""
+    import keras
+
+    inputs = list(getattr(model, "inputs", None) or [])
+    positions = {id(t): i for i, t in enumerate(inputs)}
+    found, seen = set(), set()
+
+    def sources(tensor):
+        if id(tensor) in seen:
+            return
+        seen.add(id(tensor))
+        if id(tensor) in positions:
+            found.add(positions[id(tensor)])
+            return
+        history = getattr(tensor, "_keras_history", None)
+        if history is None:
+            return
+        node = history.operation._inbound_nodes[history.node_index]
+        for parent in node.input_tensors:
+            sources(parent)
+
+    def masks_zero(operation):
+        layers = [operation]
+        if isinstance(operation, keras.layers.Layer):
+            layers = operation._flatten_layers(include_self=True, recursive=True)
+        return any(
+            isinstance(layer, keras.layers.Embedding) and getattr(layer, "mask_zero", False)
+            for layer in layers
+        )
+
+    for operation in getattr(model, "operations", None) or []:
+        if masks_zero(operation):
+            for node in operation._inbound_nodes:
+                for tensor in node.input_tensors:
+                    sources(tensor)
+    return found
+
+
 def read(npz_path, specs):
     """Arrays for the specs from a `.npz` file: by input name, or in order when the
     file's arrays are unnamed (`np.savez(path, a, b)`: `arr_0`, `arr_1`, ...)."""

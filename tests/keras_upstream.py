@@ -25,10 +25,13 @@ class GroupedQueryAttention(keras_mha.MultiHeadAttention):
 
     `head_dim` is our `key_dim`, `num_query_heads` our `num_heads`; the output
     projects back to the query's last dimension, as the built-in does. The config
-    round-trips through the built-in's argument names.
+    round-trips through the built-in's argument names. The built-in GQA leaves the
+    Keras masks of the tensors passed in (MultiHeadAttention removes them):
+    `keep_input_masks=True`.
     """
 
     def __init__(self, head_dim, num_query_heads, num_key_value_heads, **kwargs):
+        kwargs.setdefault("keep_input_masks", True)
         super().__init__(
             num_heads=num_query_heads,
             key_dim=head_dim,

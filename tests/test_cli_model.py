@@ -149,3 +149,18 @@ def test_argument_errors_exit_2(argv, message, capsys):
         cli.main(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_compare_model_passes_padded_inputs_reaching_the_output(tmp_path):
+    """keras.io's `x + attention(x, x)` then pooling: padded query rows reach the
+    output; the swap gives them what the built-in gives them (`fully_masked_rows`)."""
+    keras.utils.set_random_seed(1)
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(12, 8, mask_zero=True)(tokens)
+    x = x + keras.layers.MultiHeadAttention(2, 4)(x, x)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(x))
+    path = tmp_path / "residual.keras"
+    keras.Model(tokens, outputs, name="residual").save(path)
+    done = _run("compare", "--model", path, "--backend", BACKEND, "--repeats", "1", "--no-memory")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "padded" in done.stdout and "FAIL" not in done.stdout

@@ -45,6 +45,87 @@ def test_model_matches_its_swapped_copy_in_outputs_and_weight_gradients(saved):
     )
 
 
+def test_model_is_compared_on_unpadded_and_padded_inputs(saved):
+    record = compare.compare_model(saved["classifier"], IMPORTS, repeats=0)
+    assert list(record["input_cases"]) == ["unpadded", "padded"]
+    for case in record["input_cases"].values():
+        assert case["passed"] is True and case["masks_match"] is True
+        assert case["max_abs_diff"] <= 1e-4
+    assert compare.failed_input_cases(record) == []
+
+
+def _tagger(path):
+    """A per-token output read from the embedding's tensor after the attention: its
+    Keras mask (what its loss reads) depends on the attention removing the masks."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(12, 8, mask_zero=True)(tokens)
+    attended = keras.layers.MultiHeadAttention(2, 4)(x, x)
+    classes = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(attended))
+    keras.Model(tokens, [classes, keras.layers.Dense(3)(x)], name="tagger").save(path)
+    return path
+
+
+@pytest.fixture
+def keeping_masks(monkeypatch):
+    """The swapped layers keep their inputs' masks: they differ from the built-in on
+    padded inputs only."""
+    init = keras_mha.MultiHeadAttention.__init__
+
+    def keeping(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "keep_input_masks": True})
+
+    monkeypatch.setattr(keras_mha.MultiHeadAttention, "__init__", keeping)
+
+
+def test_masks_read_after_the_attention_compare_equal(tmp_path):
+    path = _tagger(str(tmp_path / "tagger.keras"))
+    record = compare.compare_model(path, repeats=0)
+    assert record["passed"] is True  # as the built-in treats masks
+    assert compare.failed_input_cases(record) == []
+
+
+def test_kept_input_masks_fail_on_padded_inputs(tmp_path, keeping_masks):
+    path = _tagger(str(tmp_path / "tagger.keras"))
+    record = compare.compare_model(path, repeats=0)
+    assert record["passed"] is False
+    assert compare.failed_input_cases(record) == ["padded"]
+    assert record["input_cases"]["padded"]["masks_match"] is False
+    assert record["input_cases"]["unpadded"]["passed"] is True
+    result = compare.swap_file(path, str(tmp_path / "out.keras"))
+    assert result["passed"] is False
+    assert [name for name, c in result["input_cases"].items() if not c["passed"]] == ["padded"]
+
+
+def _residual_classifier(path):
+    """keras.io's pattern: `x + attention(x, x)` drops the mask before the pooling."""
+    keras.utils.set_random_seed(1)
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(12, 8, mask_zero=True)(tokens)
+    x = x + keras.layers.MultiHeadAttention(2, 4)(x, x)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(x))
+    keras.Model(tokens, outputs, name="residual").save(path)
+    return path
+
+
+def test_padded_query_rows_reaching_the_output_compare_equal(tmp_path):
+    """A padded query row, averaged in by the pooling once `x + attention` drops the
+    mask: the swap builds ours with `fully_masked_rows="builtin"` (the values' mean)."""
+    record = compare.compare_model(_residual_classifier(str(tmp_path / "r.keras")), repeats=0)
+    assert compare.failed_input_cases(record) == []
+    assert record["passed"] is True
+
+
+def test_zero_fully_masked_rows_fail_on_padded_inputs(tmp_path, monkeypatch):
+    """Swapped layers left with `fully_masked_rows="zero"` (difference 5) give those
+    rows a zero context: compare fails, on the padded inputs only."""
+    monkeypatch.setattr(swapping, "_as_builtin", lambda layer, kwargs: layer)
+    record = compare.compare_model(_residual_classifier(str(tmp_path / "r.keras")), repeats=0)
+    assert compare.failed_input_cases(record) == ["padded"]
+    assert record["input_cases"]["padded"]["max_abs_diff"] > 1e-3
+    assert record["passed"] is False
+
+
 def test_perturbed_swap_is_caught_in_outputs_and_gradients(saved):
     record = compare.compare_model(saved["classifier"], IMPORTS, repeats=0, perturb=0.05)
     assert record["max_abs_diff"] > 1e-4

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import (
     BACKEND,
+    compiled,
     gradients,
     make_pair,
     random_inputs,
@@ -493,3 +494,237 @@ def test_compute_output_shape_and_spec(config, q_shape, v_shape, k_shape, expect
     assert tuple(scores.shape)[-1] == v_shape[-2]
     with pytest.raises(ValueError, match="All dimensions of `value` and `key`"):
         ours.compute_output_shape((B, T, DIM), (B, S, 6), (B, S + 1, 6))
+
+
+# ------------------------------------------------- Keras masks: what the call does
+# name -> (which of query/value/key carry a Keras mask, call arguments). The built-in
+# removes the Keras masks of the tensors it receives and sets the query's Keras mask
+# (or none) on its output, ignoring an explicit `query_mask` for that.
+MASK_CASES = {
+    "self_attention": (("query",), {"self": True}),
+    "query_value_key": (("query", "value", "key"), {}),
+    "value_only": (("value",), {}),
+    "explicit_query_mask": (("query", "value"), {"explicit_query_mask": True}),
+    "explicit_query_mask_unmasked_query": (("value",), {"explicit_query_mask": True}),
+    "with_scores": (("query", "value"), {"return_attention_scores": True}),
+    "causal_with_scores": ((), {"return_attention_scores": True, "use_causal_mask": True}),
+}
+
+
+def _mask_effects(layer, case, compiled_call):
+    """Calls `layer` on tensors carrying the case's Keras masks (set inside the
+    compiled function, as Keras sets them) and returns what the call left: which
+    inputs still carry a mask, the output's mask (NumPy, or `None`), and whether the
+    scores carry one."""
+    masked, options = MASK_CASES[case]
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal((B, T, DIM)).astype("float32") for _ in range(3)]
+    padding = np.ones((B, T), bool)
+    padding[0, 3:] = False
+    explicit = np.ones((B, T), bool)
+    explicit[1, 4:] = False
+    seen = {}
+
+    def run(query, value, key, padding, explicit):
+        tensors = {"query": query, "value": query if options.get("self") else value}
+        if not options.get("self"):
+            tensors["key"] = key
+        for name in masked:
+            keras_mha.masks.set_keras_mask(tensors[name], padding)
+        kwargs = {}
+        if options.get("explicit_query_mask"):
+            kwargs["query_mask"] = explicit
+        for flag in ("return_attention_scores", "use_causal_mask"):
+            if options.get(flag):
+                kwargs[flag] = True
+        result = layer(**tensors, **kwargs)
+        output = result[0] if isinstance(result, tuple) else result
+        seen["inputs_masked"] = {
+            name: keras_mha.masks.get_keras_mask(t) is not None for name, t in tensors.items()
+        }
+        if isinstance(result, tuple):
+            scores_mask = keras_mha.masks.get_keras_mask(result[1])
+            seen["scores_masked"] = scores_mask is not None
+            if scores_mask is not None:
+                seen["scores_mask_shape"] = tuple(scores_mask.shape)
+        output_mask = keras_mha.masks.get_keras_mask(output)
+        seen["output_masked"] = output_mask is not None
+        scores_valid = -1
+        if seen.get("scores_masked"):
+            scores_valid = keras.ops.sum(keras.ops.cast(scores_mask, "int32"))
+        return padding if output_mask is None else output_mask, scores_valid
+
+    fn = compiled(run) if compiled_call else run
+    tensors = [keras.ops.convert_to_tensor(a) for a in (*arrays, padding, explicit)]
+    output_mask, scores_valid = fn(*tensors)
+    seen["output_mask"] = to_numpy(output_mask) if seen["output_masked"] else None
+    seen["scores_mask_valid"] = int(to_numpy(scores_valid))
+    return seen
+
+
+@pytest.mark.parametrize("compiled_call", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_keras_masks_of_inputs_and_output_as_builtin(case, compiled_call):
+    ours, builtin = make_pair(dict(num_heads=2, key_dim=4), (B, T, DIM))
+    expected = _mask_effects(builtin, case, compiled_call)
+    got = _mask_effects(ours, case, compiled_call)
+    assert got["inputs_masked"] == expected["inputs_masked"]
+    assert not any(got["inputs_masked"].values())  # removed, as the built-in does
+    for key in ("scores_masked", "scores_mask_shape", "scores_mask_valid"):
+        assert got.get(key) == expected.get(key), key
+    assert got["output_masked"] == expected["output_masked"]
+    if expected["output_masked"]:
+        np.testing.assert_array_equal(got["output_mask"], expected["output_mask"])
+
+
+def test_keep_input_masks_keeps_them_and_is_in_the_config():
+    layer = keras_mha.MultiHeadAttention(2, 4, keep_input_masks=True)
+    assert layer.get_config()["keep_input_masks"] is True
+    assert keras_mha.MultiHeadAttention(2, 4).get_config()["keep_input_masks"] is False
+    assert keras_mha.MultiHeadAttention.from_config(layer.get_config())._keep_input_masks
+    layer.build((B, T, DIM), (B, T, DIM))
+    seen = _mask_effects(layer, "query_value_key", compiled_call=False)
+    assert seen["inputs_masked"] == {"query": True, "value": True, "key": True}
+    assert seen["output_masked"]
+    with pytest.raises(ValueError, match="keep_input_masks"):
+        keras_mha.MultiHeadAttention(2, 4, keep_input_masks="yes")
+
+
+# ---------------------------------------- Keras masks: models that read them after
+VOCAB, LENGTH, EMBED = 12, 6, 8
+
+
+def _padded_tokens():
+    tokens = np.random.default_rng(0).integers(1, VOCAB, (4, LENGTH)).astype("int32")
+    tokens[0, 3:] = 0
+    tokens[2, 5:] = 0
+    return tokens
+
+
+@keras.saving.register_keras_serializable(package="test_layer")
+class AttendThenRecur(keras.layers.Layer):
+    """Attention over its input, then an LSTM over that same input tensor."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(2, 4)
+        self.pooling = keras.layers.GlobalAveragePooling1D()
+        self.recurrent = keras.layers.LSTM(4)
+
+    def call(self, x):
+        attended = self.pooling(self.attention(x, x))
+        return keras.ops.concatenate([attended, self.recurrent(x)], axis=-1)
+
+
+def _recurrent_after_attention():
+    """The embedding's tensor feeds the attention, then an LSTM, in a user layer."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, EMBED, mask_zero=True)(tokens)
+    outputs = keras.layers.Dense(3, activation="softmax")(AttendThenRecur()(x))
+    return keras.Model(tokens, outputs), ["sparse_categorical_crossentropy"]
+
+
+def _tagger_and_classifier():
+    """A per-token output read from the embedding's tensor after the attention ran:
+    its loss is masked exactly when that tensor still carries the padding mask."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, EMBED, mask_zero=True)(tokens)
+    attended = keras.layers.MultiHeadAttention(2, 4)(x, x)
+    classes = keras.layers.Dense(3, activation="softmax", name="classes")(
+        keras.layers.GlobalAveragePooling1D()(attended)
+    )
+    tags = keras.layers.Dense(3, activation="softmax", name="tags")(x)
+    return keras.Model(tokens, [classes, tags]), ["sparse_categorical_crossentropy"] * 2
+
+
+def _keras_io_classifier():
+    """keras.io's text classifier: a registered block holding the built-in, then a
+    top-level `x + attention(x, x)`, pooling, Dense."""
+    import swap_models
+
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, EMBED, mask_zero=True)(tokens)
+    x = swap_models.TransformerBlock(EMBED, 2, 8, rate=0.0)(x)
+    x = x + keras.layers.MultiHeadAttention(2, 4)(x, x)
+    outputs = keras.layers.Dense(3, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x))
+    return keras.Model(tokens, outputs), ["sparse_categorical_crossentropy"]
+
+
+def _targets(model, tokens):
+    rng = np.random.default_rng(1)
+    shapes = [tuple(o.shape) for o in model.outputs]
+    return [rng.integers(0, 3, (len(tokens),) + s[1:-1]) for s in shapes]
+
+
+def _predictions_and_losses(model, losses, tokens, steps=2):
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=losses)
+    predictions = [to_numpy(p) for p in keras.tree.flatten(model.predict_on_batch(tokens))]
+    targets = _targets(model, tokens)
+    trained = [
+        np.asarray(keras.tree.flatten(model.train_on_batch(tokens, targets)), "float64")
+        for _ in range(steps)
+    ]
+    return predictions, trained
+
+
+def _swapped_pair(build, keep_input_masks=False):
+    keras.utils.set_random_seed(4)
+    original, losses = build()
+    original.set_weights([w + 0.05 for w in original.get_weights()])
+    swapped = keras_mha.swap(original)
+    for _, layer in keras_mha.swapping.attention_layers(swapped):
+        layer._keep_input_masks = keep_input_masks
+    return original, swapped, losses
+
+
+def _assert_same(got, expected):
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "build", [_recurrent_after_attention, _tagger_and_classifier], ids=["lstm", "masked_loss"]
+)
+def test_swapped_model_predicts_and_trains_as_builtin_on_padded_inputs(build):
+    original, swapped, losses = _swapped_pair(build)
+    tokens = _padded_tokens()
+    expected = _predictions_and_losses(original, losses, tokens)
+    got = _predictions_and_losses(swapped, losses, tokens)
+    _assert_same(got[0], expected[0])
+    _assert_same(got[1], expected[1])
+
+
+@pytest.mark.parametrize(
+    "build", [_recurrent_after_attention, _tagger_and_classifier], ids=["lstm", "masked_loss"]
+)
+def test_keep_input_masks_changes_those_models(build):
+    """The models above do read the masks after the attention: with the inputs'
+    masks kept, the swapped model's results move away from the built-in's."""
+    original, swapped, losses = _swapped_pair(build, keep_input_masks=True)
+    tokens = _padded_tokens()
+    expected = _predictions_and_losses(original, losses, tokens)
+    got = _predictions_and_losses(swapped, losses, tokens)
+    differences = [np.abs(a - b).max() for a, b in zip(got[0] + got[1], expected[0] + expected[1])]
+    assert max(differences) > 1e-3
+
+
+def test_keras_io_classifier_swapped_predicts_as_builtin_on_padded_inputs():
+    """`x + attention` drops the mask, so the pooling averages the padded query rows:
+    the swap builds ours with `fully_masked_rows="builtin"`, which gives them the
+    values' mean, as the built-in does."""
+    original, swapped, losses = _swapped_pair(_keras_io_classifier)
+    tokens = _padded_tokens()
+    expected = _predictions_and_losses(original, losses, tokens)
+    got = _predictions_and_losses(swapped, losses, tokens)
+    _assert_same(got[0], expected[0])
+    _assert_same(got[1], expected[1])
+
+
+def test_keras_io_classifier_swapped_predicts_as_builtin_on_unpadded_inputs():
+    original, swapped, losses = _swapped_pair(_keras_io_classifier)
+    tokens = _padded_tokens()
+    tokens[tokens == 0] = 1
+    expected = _predictions_and_losses(original, losses, tokens)
+    got = _predictions_and_losses(swapped, losses, tokens)
+    _assert_same(got[0], expected[0])
+    _assert_same(got[1], expected[1])

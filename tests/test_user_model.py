@@ -123,3 +123,38 @@ def test_model_inputs_follow_the_models_structure():
     assert isinstance(fed, dict) and fed["b"].shape == (1, 3)
     single = keras.Model(a, a)
     assert user_model.model_inputs(single, arrays[:1]) is arrays[0]
+
+
+def test_padded_inputs_pad_what_reaches_a_masked_embedding_and_the_mask_inputs():
+    ids = keras.Input((6,), dtype="int32", name="ids")
+    features = keras.Input((6, 3), name="features")
+    padding_mask = keras.Input((6,), dtype="int32", name="padding_mask")
+    embedded = keras.layers.Embedding(10, 3, mask_zero=True)(ids + 0)  # through an op
+    outputs = embedded + features + keras.ops.cast(padding_mask, "float32")[..., None]
+    model = keras.Model([ids, features, padding_mask], outputs)
+    specs = user_model.input_specs(model, "m.keras")
+    arrays = user_model.synthesize(specs, "m.keras")
+    padded_ids, padded_features, mask = user_model.padded(model, specs, arrays)
+    kept = np.array([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]], bool)
+    np.testing.assert_array_equal(padded_ids != 0, kept)
+    np.testing.assert_array_equal(padded_ids[kept], arrays[0][kept])
+    np.testing.assert_array_equal(padded_features, arrays[1])  # floats stay as they are
+    np.testing.assert_array_equal(mask, kept.astype("int32"))
+    assert mask.dtype == np.int32 and padded_ids.dtype == np.int32
+    # A bool mask input is padded the same way.
+    flags = keras.Input((6,), dtype="bool", name="flags")
+    model = keras.Model(flags, keras.ops.cast(flags, "float32"))
+    specs = user_model.input_specs(model, "m.keras")
+    (padded_flags,) = user_model.padded(model, specs, user_model.synthesize(specs, "m.keras"))
+    np.testing.assert_array_equal(padded_flags, kept)
+
+
+def test_no_padded_inputs_where_the_model_takes_no_padding():
+    ids = keras.Input((6,), dtype="int32", name="ids")
+    model = keras.Model(ids, keras.layers.Embedding(10, 3)(ids))  # mask_zero=False
+    specs = user_model.input_specs(model, "m.keras")
+    assert user_model.padded(model, specs, user_model.synthesize(specs, "m.keras")) is None
+    features = keras.Input((6, 3), name="features")
+    model = keras.Model(features, keras.layers.Dense(2)(features))
+    specs = user_model.input_specs(model, "m.keras")
+    assert user_model.padded(model, specs, user_model.synthesize(specs, "m.keras")) is None
