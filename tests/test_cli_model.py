@@ -162,5 +162,9 @@ def test_compare_model_passes_padded_inputs_reaching_the_output(tmp_path):
     path = tmp_path / "residual.keras"
     keras.Model(tokens, outputs, name="residual").save(path)
     done = _run("compare", "--model", path, "--backend", BACKEND, "--repeats", "1", "--no-memory")
+    if BACKEND == "torch":  # the built-in's torch backward differs there (masks guide)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "residual (padded inputs)" in done.stdout
+        return
     assert done.returncode == 0, done.stdout + done.stderr
     assert "padded" in done.stdout and "FAIL" not in done.stdout

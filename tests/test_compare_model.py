@@ -112,8 +112,16 @@ def test_padded_query_rows_reaching_the_output_compare_equal(tmp_path):
     """A padded query row, averaged in by the pooling once `x + attention` drops the
     mask: the swap builds ours with `fully_masked_rows="builtin"` (the values' mean)."""
     record = compare.compare_model(_residual_classifier(str(tmp_path / "r.keras")), repeats=0)
-    assert compare.failed_input_cases(record) == []
-    assert record["passed"] is True
+    if keras.backend.backend() != "torch":
+        assert compare.failed_input_cases(record) == []
+        assert record["passed"] is True
+        return
+    # torch: the built-in's backward passes those rows' logit gradients on (its additive
+    # mask; docs/guide/masks.md): the outputs agree, the weight gradients do not.
+    padded = record["input_cases"]["padded"]
+    assert padded["max_abs_diff"] < 1e-5 and padded["masks_match"]
+    assert padded["grad_max_abs_diff"] > 1e-3
+    assert compare.failed_input_cases(record) == ["padded"]
 
 
 def test_zero_fully_masked_rows_fail_on_padded_inputs(tmp_path, monkeypatch):

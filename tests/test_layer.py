@@ -711,13 +711,22 @@ def test_keep_input_masks_changes_those_models(build):
 def test_keras_io_classifier_swapped_predicts_as_builtin_on_padded_inputs():
     """`x + attention` drops the mask, so the pooling averages the padded query rows:
     the swap builds ours with `fully_masked_rows="builtin"`, which gives them the
-    values' mean, as the built-in does."""
+    values' mean, as the built-in does.
+
+    On torch the built-in's additive float mask leaves those rows uniform only by
+    rounding, and its backward passes their logits' gradients on to queries and keys
+    (on JAX and TensorFlow it passes none, as ours): the training steps after the
+    first differ there, a documented difference (docs/guide/masks.md)."""
     original, swapped, losses = _swapped_pair(_keras_io_classifier)
     tokens = _padded_tokens()
     expected = _predictions_and_losses(original, losses, tokens)
     got = _predictions_and_losses(swapped, losses, tokens)
     _assert_same(got[0], expected[0])
-    _assert_same(got[1], expected[1])
+    if keras.backend.backend() == "torch":
+        _assert_same(got[1][:1], expected[1][:1])  # the first step's loss: before updates
+        assert np.abs(got[1][1] - expected[1][1]).max() > 1e-3  # noticed if torch's changes
+    else:
+        _assert_same(got[1], expected[1])
 
 
 def test_keras_io_classifier_swapped_predicts_as_builtin_on_unpadded_inputs():
