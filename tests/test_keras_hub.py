@@ -1,0 +1,359 @@
+"""keras-hub's models that hold `keras.layers.MultiHeadAttention` (or a subclass of it)
+move to keras_mha with `keras_mha.swap`, each built from its constructor with a tiny
+random config: every attention layer moves, outputs match, greedy `generate()` gives
+the same token ids through keras-hub's cached decoding, the `.keras` file of the swap
+holds only our attention, a train step's losses match, and `enable_lora` gives the
+same trainable weights and trains.
+
+`test_every_keras_hub_model_with_builtin_attention_is_in_the_zoo` fails when a
+keras-hub upgrade adds a model that uses the built-in and is neither in `ZOO` nor in
+`OUT_OF_SCOPE`.
+"""
+
+import ast
+import dataclasses
+import inspect
+import os
+import pathlib
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from helpers import to_numpy
+
+import keras_mha
+from keras_mha import swapping
+
+keras_hub = pytest.importorskip("keras_hub")
+models = keras_hub.models
+
+ATOL = 1e-5
+BATCH, LENGTH, VOCAB = 2, 8, 16
+TINY = dict(num_heads=2, hidden_dim=8, intermediate_dim=8)
+
+
+@dataclasses.dataclass
+class Case:
+    """A zoo entry: `build()` returns the model to swap (a backbone, or a task whose
+    `generate` is checked), `lengths` the sequence length of inputs whose length is
+    free (default `LENGTH`)."""
+
+    build: callable
+    lengths: dict = dataclasses.field(default_factory=dict)
+    generates: bool = False
+
+
+def _gpt2():
+    backbone = models.GPT2Backbone(VOCAB, 1, max_sequence_length=LENGTH, dropout=0.0, **TINY)
+    return models.GPT2CausalLM(backbone, preprocessor=None)
+
+
+def _opt():
+    backbone = models.OPTBackbone(VOCAB, 1, max_sequence_length=LENGTH, dropout=0.0, **TINY)
+    return models.OPTCausalLM(backbone, preprocessor=None)
+
+
+def _bart():
+    backbone = models.BartBackbone(VOCAB, 1, max_sequence_length=LENGTH, dropout=0.0, **TINY)
+    return models.BartSeq2SeqLM(backbone, preprocessor=None)
+
+
+def _whisper():
+    return models.WhisperBackbone(
+        VOCAB,
+        1,
+        num_mels=4,
+        max_encoder_sequence_length=LENGTH,
+        max_decoder_sequence_length=LENGTH,
+        **TINY,
+    )
+
+
+def _moonshine():
+    backbone = models.MoonshineBackbone(
+        vocabulary_size=VOCAB,
+        filter_dim=8,
+        encoder_num_layers=1,
+        decoder_num_layers=1,
+        hidden_dim=8,
+        intermediate_dim=8,
+        encoder_num_heads=2,
+        decoder_num_heads=2,
+        max_position_embeddings=64,
+    )
+    return models.MoonshineAudioToText(backbone, preprocessor=None)
+
+
+def _xlnet():
+    return models.XLNetBackbone(VOCAB, 1, **TINY)
+
+
+def _edrec():
+    backbone = models.EdRecBackbone(VOCAB, 1, 1, hidden_dim=8, intermediate_dim=8, num_heads=2)
+    return models.EdRecSeq2SeqLM(backbone, preprocessor=None)
+
+
+def _vit_encoder(image_size=8):
+    return models.ViTBackbone(
+        image_shape=(image_size, image_size, 3),
+        patch_size=4,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        mlp_dim=8,
+    )
+
+
+def _parseq():
+    return models.PARSeqBackbone(
+        image_encoder=_vit_encoder(),
+        vocabulary_size=VOCAB,
+        max_label_length=LENGTH,
+        decoder_hidden_dim=8,
+        num_decoder_layers=1,
+        num_decoder_heads=2,
+        decoder_mlp_dim=8,
+        dropout_rate=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def _bert():
+    return models.BertBackbone(VOCAB, 1, max_sequence_length=LENGTH, dropout=0.0, **TINY)
+
+
+def _roberta():
+    return models.RobertaBackbone(VOCAB, 1, max_sequence_length=LENGTH, dropout=0.0, **TINY)
+
+
+def _distil_bert():
+    return models.DistilBertBackbone(VOCAB, 1, max_sequence_length=LENGTH, dropout=0.0, **TINY)
+
+
+def _albert():
+    return models.AlbertBackbone(VOCAB, 1, embedding_dim=8, max_sequence_length=LENGTH, **TINY)
+
+
+def _electra():
+    return models.ElectraBackbone(
+        VOCAB, 1, embedding_dim=8, max_sequence_length=LENGTH, dropout=0.0, **TINY
+    )
+
+
+def _deit():
+    return models.DeiTBackbone(image_shape=(8, 8, 3), patch_size=4, num_layers=1, **TINY)
+
+
+def _dinov2():
+    return models.DINOV2Backbone(
+        patch_size=4,
+        num_layers=1,
+        image_shape=(8, 8, 3),
+        position_embedding_shape=(8, 8, 3),
+        **TINY,
+    )
+
+
+def _two_towers(backbone, vision, text, **kwargs):
+    def build():
+        return backbone(
+            vision(patch_size=4, num_layers=1, image_shape=(8, 8, 3), **TINY),
+            text(
+                vocabulary_size=VOCAB,
+                embedding_dim=8,
+                num_layers=1,
+                max_sequence_length=LENGTH,
+                **TINY,
+            ),
+            **kwargs,
+        )
+
+    return build
+
+
+ZOO = {
+    "gpt2": Case(_gpt2, generates=True),
+    "opt": Case(_opt, generates=True),
+    "bart": Case(_bart, generates=True),
+    "whisper": Case(_whisper),
+    "moonshine": Case(_moonshine, lengths={"encoder_input_values": 1000}, generates=True),
+    "xlnet": Case(_xlnet),
+    "edrec": Case(_edrec, generates=True),
+    "parseq": Case(_parseq),
+    "bert": Case(_bert),
+    "roberta": Case(_roberta),
+    "distil_bert": Case(_distil_bert),
+    "albert": Case(_albert),
+    "electra": Case(_electra),
+    "vit": Case(_vit_encoder),
+    "deit": Case(_deit),
+    "dinov2": Case(_dinov2),
+    "clip": Case(
+        _two_towers(
+            models.CLIPBackbone, models.CLIPVisionEncoder, models.CLIPTextEncoder, projection_dim=8
+        )
+    ),
+    "siglip": Case(
+        _two_towers(models.SigLIPBackbone, models.SigLIPVisionEncoder, models.SigLIPTextEncoder)
+    ),
+    "metaclip2": Case(
+        _two_towers(
+            models.MetaCLIP2Backbone,
+            models.MetaCLIP2VisionEncoder,
+            models.MetaCLIP2TextEncoder,
+            projection_dim=8,
+        )
+    ),
+}
+
+
+# ------------------------------------------------------------------------- helpers
+def _backbone(model):
+    return getattr(model, "backbone", model)
+
+
+def _randomize(model, seed):
+    """Trainable weights drawn from N(0, 0.5): far from initial values (zeros, ones),
+    so a swapped layer that ignored a weight would show. (Non-trainable weights, such
+    as DINOv2's interpolated position embeddings, are rebuilt on load.)"""
+    rng = np.random.default_rng(seed)
+    for weight in model.trainable_weights:
+        weight.assign(rng.normal(0.0, 0.5, weight.shape).astype(weight.dtype))
+
+
+def _inputs(case, model, seed=0):
+    """Random inputs for the backbone's `keras.Input`s: token ids in `[1, VOCAB)`,
+    padding masks with the second row padded at its end, floats N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    structure = _backbone(model).input
+
+    def make(tensor):
+        name = tensor.name
+        shape = [BATCH]
+        shape += [case.lengths.get(name, LENGTH) if d is None else d for d in tensor.shape[1:]]
+        if "mask" in name:
+            value = np.ones(shape, "int32")
+            value[1, -2:] = 0
+            return value.astype(tensor.dtype)
+        if "segment" in name:
+            return rng.integers(0, 2, shape).astype(tensor.dtype)
+        if "int" in tensor.dtype:
+            return rng.integers(1, VOCAB, shape).astype(tensor.dtype)
+        return rng.standard_normal(shape).astype(tensor.dtype)
+
+    return keras.tree.map_structure(make, structure)
+
+
+def _pair(name, seed=0):
+    keras.utils.set_random_seed(seed)
+    model = ZOO[name].build()
+    _randomize(model, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # keras-hub's task compile on load
+        swapped = keras_mha.swap(model)
+    return model, swapped
+
+
+def _numpy_tree(x):
+    return keras.tree.map_structure(to_numpy, x)
+
+
+def _assert_close(actual, expected, **kwargs):
+    keras.tree.assert_same_structure(actual, expected)
+    for a, e in zip(keras.tree.flatten(actual), keras.tree.flatten(expected)):
+        assert np.isfinite(e).all()
+        np.testing.assert_allclose(a, e, atol=ATOL, rtol=1e-5, **kwargs)
+
+
+@pytest.fixture(scope="module", params=list(ZOO))
+def pair(request):
+    model, swapped = _pair(request.param)
+    return request.param, model, swapped
+
+
+# --------------------------------------------------------------------------- tests
+def test_swap_moves_every_attention_layer(pair):
+    _, model, swapped = pair
+    rows = swapping.swap_report(model, swapped)
+    assert rows and not [r for r in rows if r["status"] == swapping.LEFT], rows
+    for _, layer in swapping.attention_layers(swapped):
+        assert isinstance(layer, keras_mha.MultiHeadAttention)
+
+
+def test_outputs_match(pair):
+    name, model, swapped = pair
+    inputs = _inputs(ZOO[name], model)
+    expected = _numpy_tree(_backbone(model)(inputs))
+    _assert_close(_numpy_tree(_backbone(swapped)(inputs)), expected)
+
+
+def test_greedy_generate_gives_the_same_token_ids(pair):
+    name, model, swapped = pair
+    if not ZOO[name].generates:
+        pytest.skip(f"{name}: no generative task in keras-hub")
+    inputs = _inputs(ZOO[name], model, seed=1)
+    for key in inputs:  # a 3-token prompt in each sequence that is generated
+        if key.endswith("padding_mask") and key.replace("padding_mask", "token_ids") in inputs:
+            if "decoder" in key or key == "padding_mask":
+                inputs[key][:, 3:] = 0
+    results = []
+    for lm in (model, swapped):
+        lm.compile(sampler="greedy")
+        results.append(_numpy_tree(lm.generate(inputs, stop_token_ids=None)))
+    keras.tree.assert_same_structure(results[0], results[1])
+    for a, e in zip(keras.tree.flatten(results[1]), keras.tree.flatten(results[0])):
+        np.testing.assert_array_equal(a, e)
+
+
+def test_saved_swap_loads_with_only_keras_mha_attention(pair, tmp_path):
+    name, model, swapped = pair
+    path = tmp_path / f"{name}.keras"
+    keras_mha.save_swapped(swapped, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = keras.saving.load_model(path)
+    layers = swapping.attention_layers(loaded)
+    assert layers and all(isinstance(l, keras_mha.MultiHeadAttention) for _, l in layers)
+    assert not any(isinstance(l, swapping.BUILTIN) for _, l in layers)
+    inputs = _inputs(ZOO[name], model)
+    _assert_close(_numpy_tree(_backbone(loaded)(inputs)), _numpy_tree(_backbone(model)(inputs)))
+
+
+def test_train_steps_give_the_same_losses(pair):
+    name, model, swapped = pair
+    inputs = _inputs(ZOO[name], model, seed=2)
+    losses = []
+    for candidate in (model, swapped):
+        backbone = _backbone(candidate)
+        weights = backbone.get_weights()
+        targets = keras.tree.map_structure(np.zeros_like, _numpy_tree(backbone(inputs)))
+        backbone.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", run_eagerly=True)
+        losses.append(
+            [backbone.train_on_batch(inputs, targets, return_dict=True)["loss"] for _ in range(2)]
+        )
+        backbone.set_weights(weights)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4, atol=ATOL)
+    assert losses[0][1] != losses[0][0]  # the first step changed the weights
+
+
+def test_enable_lora_gives_the_same_trainable_weights_and_trains(pair):
+    name, model, swapped = pair
+    lora = {}
+    for key, candidate in (("builtin", model), ("ours", swapped)):
+        backbone = _backbone(candidate)
+        backbone.enable_lora(2)
+        # Variable names, not paths: keras-hub's loaded encoders prefix their blocks'
+        # paths with the encoder's name (as a plain `load_model` does).
+        lora[key] = [(w.name, tuple(w.shape)) for w in backbone.trainable_weights]
+    assert lora["ours"] == lora["builtin"]
+    assert any("lora_kernel" in path for path, _ in lora["ours"])
+    backbone = _backbone(swapped)
+    inputs = _inputs(ZOO[name], model, seed=3)
+    targets = keras.tree.map_structure(np.zeros_like, _numpy_tree(backbone(inputs)))
+    backbone.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", run_eagerly=True)
+    before = [to_numpy(w) for w in backbone.trainable_weights]
+    losses = [backbone.train_on_batch(inputs, targets, return_dict=True)["loss"] for _ in range(3)]
+    after = [to_numpy(w) for w in backbone.trainable_weights]
+    assert losses[-1] < losses[0], losses
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before))
