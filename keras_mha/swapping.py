@@ -15,11 +15,11 @@
 - `swap_report(original, swapped)`: one row per attention layer: path, what it was,
   what it is, and why it was left alone where it was.
 
-Subclasses of the built-in (keras-hub's `CachedMultiHeadAttention`, for one) are
-rebuilt on our class when the protected names they use or override are ones our layer
-provides with the built-in's meaning (`PROTECTED_OVERRIDES` and the protected names
-both layers define); otherwise they are left on the built-in and reported, with the
-names that kept them there.
+Subclasses of the built-in (keras-hub's `CachedMultiHeadAttention`, Whisper's,
+Moonshine's, XLNet's) are rebuilt on our class, which provides the built-in's protected
+API with its meaning (`keras_mha.builtin_hooks`). One that overrides a protected method
+our layer would not call as the built-in does (not in `PROTECTED_OVERRIDES`), or touches
+a protected name ours lacks, is left on the built-in and reported, with those names.
 """
 
 import contextlib
