@@ -13,10 +13,9 @@ import math
 import keras
 import numpy as np
 from keras import constraints, initializers, ops, regularizers
-from keras.layers import Dropout
 
+from keras_mha import builtin_hooks, checks, equations, kernels, norms, projections, rope
 from keras_mha import cache as cache_lib
-from keras_mha import checks, equations, kernels, norms, projections, rope
 from keras_mha import masks as masks_lib
 from keras_mha import sinks as sinks_lib
 
@@ -29,7 +28,7 @@ _FLAG_ARGUMENTS = {"use_causal_mask": False, "return_attention_scores": None}
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
-class MultiHeadAttention(keras.layers.Layer):
+class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
     """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
     For each head `i` (of `num_heads`), with `d = key_dim`:
@@ -445,24 +444,9 @@ class MultiHeadAttention(keras.layers.Layer):
         self._value_dense.build(value_shape)
 
         self._attention_axes = normalized_axes
-        projected_rank = rank + 1
-        (
-            self._dot_product_equation,
-            self._combine_equation,
-            _,
-        ) = equations.attention_equations(projected_rank, normalized_axes)
-        self._dropout_layer = Dropout(rate=self._dropout, dtype=self.dtype_policy, seed=self.seed)
-
-        output_dims = self._output_shape or (query_shape[-1],)
-        equation, bias_axes, output_rank = equations.projection_equation(
-            rank - 1, bound_dims=2, output_dims=len(output_dims)
-        )
-        self._output_dense = projections.Projection(
-            equation,
-            output_shape=equations.projection_output_shape(output_rank, output_dims),
-            bias_axes=bias_axes if self._use_bias else None,
-            name="attention_output",
-            **self._sublayer_kwargs(),
+        self._build_attention(rank + 1)
+        self._output_dense = self._make_output_dense(
+            query_shape, self._get_common_kwargs_for_sublayer(), "attention_output"
         )
         self._output_dense.build(tuple(query_shape[:-1]) + (self._num_heads, self._value_dim))
         if self._normalize_qk:
@@ -487,24 +471,7 @@ class MultiHeadAttention(keras.layers.Layer):
             bias_axes=bias_axes if self._use_bias else None,
             activation=activation,
             name=name,
-            **self._sublayer_kwargs(),
-        )
-
-    def _sublayer_kwargs(self):
-        # Fresh initializer instances per sublayer: a shared stateless initializer
-        # would give every kernel the same values.
-        def clone(initializer):
-            return initializer.__class__.from_config(initializer.get_config())
-
-        return dict(
-            kernel_initializer=clone(self._kernel_initializer),
-            bias_initializer=clone(self._bias_initializer),
-            kernel_regularizer=self._kernel_regularizer,
-            bias_regularizer=self._bias_regularizer,
-            activity_regularizer=self._activity_regularizer,
-            kernel_constraint=self._kernel_constraint,
-            bias_constraint=self._bias_constraint,
-            dtype=self.dtype_policy,
+            **self._get_common_kwargs_for_sublayer(),
         )
 
     # ------------------------------------------------------------------------ call
@@ -515,8 +482,10 @@ class MultiHeadAttention(keras.layers.Layer):
             bound = None  # a wrong signature: Keras reports it
         if bound is not None:
             args, kwargs = _as_the_builtin_reads_them(bound, args, kwargs)
-            arguments = bound.signature.bind(*args, **kwargs).arguments
-            checks.call_arguments(arguments, self._attention_axes, self._num_heads)
+            if type(self).call is MultiHeadAttention.call:
+                # A subclass's own `call` gives its arguments its own meaning.
+                arguments = bound.signature.bind(*args, **kwargs).arguments
+                checks.call_arguments(arguments, self._attention_axes, self._num_heads)
         return super().__call__(*args, **kwargs)
 
     def call(
@@ -589,11 +558,12 @@ class MultiHeadAttention(keras.layers.Layer):
             # Decoding: the new queries sit at `cache_update_index ...` in the cache.
             query_offset=cache_update_index,
         )
-        if type(self)._compute_attention is MultiHeadAttention._compute_attention:
+        overridden = type(self)._compute_attention is not MultiHeadAttention._compute_attention
+        if not (overridden or builtin_hooks.overrides_mask_hooks(self)):
             mask = self._describe_masks(projected_query, projected_key, **masks)
         else:
-            # An override written for the built-in receives its dense mask, causality
-            # merged in, as it expects.
+            # Hooks overridden as for the built-in (`_compute_attention`, the mask
+            # and softmax hooks) see its dense mask, causality merged in.
             mask = self._compute_attention_mask(
                 query, value if cache is None else projected_key, **masks
             )
@@ -803,60 +773,6 @@ class MultiHeadAttention(keras.layers.Layer):
             dense=masks_lib.expand_to_scores(mask, scores_rank, num_axes)
         )
 
-    def _compute_attention_mask(
-        self,
-        query,
-        value,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        use_causal_mask=False,
-        query_offset=None,
-    ):
-        """Merges the Keras masks, `attention_mask`, causal and window masks into the
-        built-in's dense form (what overrides of `_compute_attention` expect).
-
-        Args:
-            query: `(B, T, ...)`; value: `(B, S, ...)` (inputs or projections).
-            query_mask: `(B, T)`; value_mask, key_mask: `(B, S)`.
-            attention_mask: broadcastable to `(B, T, S)`.
-            use_causal_mask: AND a causal mask.
-            query_offset: position of the first query among the keys (KV-cache
-                decoding), for the causal and window masks; `None` means 0.
-
-        Returns:
-            A boolean `(B or 1, T, S)` mask, or `None` when nothing is masked.
-        """
-        return masks_lib.merge_masks(
-            ops.shape(query)[1],
-            ops.shape(value)[1],
-            query_mask=query_mask,
-            value_mask=value_mask,
-            key_mask=key_mask,
-            attention_mask=attention_mask,
-            use_causal_mask=use_causal_mask,
-            sliding_window=self._sliding_window,
-            offset=0 if query_offset is None else query_offset,
-        )
-
-    def _compute_causal_mask(self, query, value=None, query_offset=None):
-        """`(1, T, S)` causal mask for `query` `(B, T, ...)`, `value` `(B, S, ...)`."""
-        key_length = ops.shape(query if value is None else value)[1]
-        offset = 0 if query_offset is None else query_offset
-        return masks_lib.causal_mask(ops.shape(query)[1], key_length, offset)
-
-    def _masked_softmax(self, attention_scores, attention_mask=None):
-        """Softmax over the key axes (float32 inside), masked as the built-in does."""
-        mask = masks_lib.expand_to_scores(
-            masks_lib.as_bool(attention_mask),
-            len(attention_scores.shape),
-            len(self._attention_axes),
-        )
-        axes = tuple(range(-len(self._attention_axes), 0))
-        weights, _ = kernels.logits.softmax(ops.cast(attention_scores, "float32"), mask, axes)
-        return ops.cast(weights, attention_scores.dtype)
-
     def _compute_attention(
         self,
         query,
@@ -888,6 +804,14 @@ class MultiHeadAttention(keras.layers.Layer):
             `(B, N, T, S)`, or `None` for the scores when not requested.
         """
         mask = attention_mask
+        if builtin_hooks.overridden(self, "_masked_softmax"):
+            # A softmax written for the built-in: its explicit path, which calls it.
+            if use_causal_mask:
+                causal = self._compute_causal_mask(query, value)
+                mask = masks_lib.logical_and(masks_lib.as_bool(mask), causal)
+            return self._explicit_attention(
+                query, key, value, mask, training, return_attention_scores
+            )
         if not isinstance(mask, masks_lib.AttentionMask):
             mask = self._dense_mask(mask, len(query.shape))
             if use_causal_mask:

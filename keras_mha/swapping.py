@@ -15,14 +15,15 @@
 - `swap_report(original, swapped)`: one row per attention layer: path, what it was,
   what it is, and why it was left alone where it was.
 
-Subclasses of the built-in (keras-hub's `CachedMultiHeadAttention`, for one) are
-rebuilt on our class when the protected names they use or override are ones our layer
-provides with the built-in's meaning (`PROTECTED_OVERRIDES` and the protected names
-both layers define); otherwise they are left on the built-in and reported, with the
-names that kept them there.
+Subclasses of the built-in (keras-hub's `CachedMultiHeadAttention`, Whisper's,
+Moonshine's, XLNet's) are rebuilt on our class, which provides the built-in's protected
+API with its meaning (`keras_mha.builtin_hooks`). One that overrides a protected method
+our layer would not call as the built-in does (not in `PROTECTED_OVERRIDES`), or touches
+a protected name ours lacks, is left on the built-in and reported, with those names.
 """
 
 import contextlib
+import dis
 import functools
 import json
 import os
@@ -41,8 +42,20 @@ from keras_mha import layer as layer_lib
 BUILTIN = keras.layers.MultiHeadAttention
 
 # Protected methods of the built-in that a subclass may override: our layer calls them
-# where the built-in does, with the built-in's arguments (tests/test_subclass.py).
-PROTECTED_OVERRIDES = frozenset({"_compute_attention"})
+# where the built-in does, with the built-in's arguments (`keras_mha.builtin_hooks`;
+# tests/test_subclass.py).
+PROTECTED_OVERRIDES = frozenset(
+    {
+        "_build_attention",
+        "_compute_attention",
+        "_compute_attention_mask",
+        "_compute_causal_mask",
+        "_compute_sliding_window_mask",
+        "_get_common_kwargs_for_sublayer",
+        "_make_output_dense",
+        "_masked_softmax",
+    }
+)
 
 SWAPPED = "swapped"
 REBUILT = "rebuilt on keras_mha"
@@ -245,7 +258,7 @@ def unsupported_names(cls):
     found = set()
     for klass in _subclass_chain(cls):
         for attr, value in vars(klass).items():
-            if attr in builtin_names and attr not in PROTECTED_OVERRIDES:
+            if attr in builtin_names and attr not in PROTECTED_OVERRIDES and _is_code(value):
                 found.add(attr)  # an override our layer would not call as the built-in does
             for code in _code_objects(value):
                 found.update(n for n in _names(code) if n in builtin_names - ours_names)
@@ -321,12 +334,26 @@ def _rebind_class_cell(value, new):
 
 @functools.cache
 def _protected_names(cls):
-    """Single-underscore names a class defines or its own code touches."""
-    names = {n for n in vars(cls) if _is_protected(n)}
-    for value in vars(cls).values():
-        for code in _code_objects(value):
-            names.update(n for n in _names(code) if _is_protected(n))
+    """Single-underscore names a class (with its bases below `keras.layers.Layer`)
+    defines as methods or properties, or its own code touches as attributes.
+
+    Data that a decorator sets on the class (keras's and keras-hub's export
+    decorators set `_api_export_path`, `_api_export_symbol_id`) is not behaviour.
+    """
+    names = set()
+    for klass in cls.__mro__:
+        if klass in keras.layers.Layer.__mro__:
+            continue
+        names.update(n for n, v in vars(klass).items() if _is_protected(n) and _is_code(v))
+        for value in vars(klass).values():
+            for code in _code_objects(value):
+                names.update(n for n in _names(code) if _is_protected(n))
     return frozenset(names)
+
+
+def _is_code(value):
+    """Whether a class attribute is behaviour: a function, method or property."""
+    return isinstance(value, types.FunctionType | staticmethod | classmethod | property)
 
 
 def _is_protected(name):
@@ -353,9 +380,20 @@ def _nested(code):
             yield from _nested(const)
 
 
+_ATTRIBUTE_OPS = frozenset({"LOAD_ATTR", "STORE_ATTR", "DELETE_ATTR", "LOAD_METHOD"})
+
+
 def _names(code):
-    """Attribute and global names a code object loads, stores or calls."""
-    return set(code.co_names)
+    """Attribute names a code object loads, stores, deletes or calls (`self._x`).
+
+    Global names are not the class's API: a module-level `_build_proj_equation` in
+    keras-hub's modules is its own copy of the built-in's module function.
+    """
+    return {
+        op.argval
+        for op in dis.get_instructions(code)
+        if op.opname in _ATTRIBUTE_OPS or op.opname == "LOAD_SUPER_ATTR"
+    }
 
 
 # -------------------------------------------------------------------------- report

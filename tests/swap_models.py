@@ -81,7 +81,7 @@ class CachedAttention(layers.MultiHeadAttention):
 
 @keras.saving.register_keras_serializable(package=PACKAGE)
 class SoftmaxHookAttention(layers.MultiHeadAttention):
-    """Overrides a built-in internal that ours does not call: cannot be rebuilt."""
+    """Overrides a build hook of the built-in and reads what it sets (`_softmax`)."""
 
     def _build_attention(self, rank):
         super()._build_attention(rank)
@@ -89,7 +89,8 @@ class SoftmaxHookAttention(layers.MultiHeadAttention):
 
 
 def build_subclassed(seed=0):
-    """One eligible subclass (rebuilt on ours), one that is not (left alone)."""
+    """Two subclasses of the built-in: one over its projections and `_compute_attention`,
+    one overriding its `_build_attention` hook."""
     keras.utils.set_random_seed(seed)
     x = keras.Input((MAXLEN, EMBED), name="features")
     causal = np.tril(np.ones((1, MAXLEN, MAXLEN), bool))

@@ -212,3 +212,87 @@ def test_compute_attention_override_receives_merged_causal_mask(implicit, rng):
     for name, mask in masks.items():
         assert mask.dtype == bool, name
         np.testing.assert_array_equal(np.broadcast_to(mask, expected.shape), expected)
+
+
+# ------------------------------------------------------------ the built-in's hooks
+def own_build_class(base):
+    """Builds its own projections through the built-in's hooks, as keras-hub's
+    `WhisperCachedMultiHeadAttention` does: no key bias."""
+
+    class OwnBuildAttention(base):
+        def build(self, query_shape, value_shape, key_shape=None):
+            key_shape = value_shape if key_shape is None else key_shape
+            shapes = {"query": (query_shape, self._key_dim, "abc,cde->abde")}
+            shapes["key"] = (key_shape, self._key_dim, "abc,cde->abde")
+            shapes["value"] = (value_shape, self._value_dim, "abc,cde->abde")
+            for name, (shape, size, equation) in shapes.items():
+                dense = keras.layers.EinsumDense(
+                    equation,
+                    output_shape=(None, self._num_heads, size),
+                    bias_axes=None if name == "key" else "de",
+                    name=name,
+                    **self._get_common_kwargs_for_sublayer(),
+                )
+                dense.build(shape)
+                setattr(self, f"_{name}_dense", dense)
+            self._build_attention(4)
+            self._output_dense = self._make_output_dense(
+                query_shape, self._get_common_kwargs_for_sublayer(), "attention_output"
+            )
+            self._output_dense.build(tuple(query_shape[:-1]) + (self._num_heads, self._value_dim))
+
+        def call(self, query, value, attention_mask=None, training=None):
+            query, key = self._query_dense(query), self._key_dense(value)
+            output, _ = self._compute_attention(
+                query, key, self._value_dense(value), attention_mask, training
+            )
+            return self._output_dense(output)
+
+    return OwnBuildAttention
+
+
+def softmax_hook_class(base):
+    """Overrides `_masked_softmax` (a temperature of 2), which the built-in's explicit
+    path calls."""
+
+    class TemperatureAttention(base):
+        def _masked_softmax(self, attention_scores, attention_mask=None):
+            return super()._masked_softmax(attention_scores / 2.0, attention_mask)
+
+    return TemperatureAttention
+
+
+def test_subclass_building_its_own_projections_through_the_hooks(rng):
+    batch, length, dim = 2, 5, 8
+    layers = _pair(own_build_class, (batch, length, dim), num_heads=2, key_dim=4)
+    assert [w.path.split("/")[-2:] for w in layers["ours"].weights] == [
+        w.path.split("/")[-2:] for w in layers["builtin"].weights
+    ]
+    assert layers["ours"]._key_dense.bias is None
+    (x,) = random_inputs(rng, (batch, length, dim))
+    mask = ops.convert_to_tensor(np.tril(np.ones((1, length, length), bool)))
+    outputs = {n: to_numpy(layer(x, x, attention_mask=mask)) for n, layer in layers.items()}
+    np.testing.assert_allclose(outputs["ours"], outputs["builtin"], atol=ATOL)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5], ids=["no_dropout", "dropout"])
+def test_masked_softmax_override_is_called_where_the_builtin_calls_it(dropout, rng):
+    batch, length, dim = 2, 4, 8
+    layers = _pair(
+        softmax_hook_class, (batch, length, dim), num_heads=2, key_dim=4, dropout=dropout
+    )
+    (x,) = random_inputs(rng, (batch, length, dim))
+    mask = np.ones((batch, length), bool)
+    mask[1, -1] = False  # a padded key: the override sees the merged mask
+    outputs, scores = {}, {}
+    for name, layer in layers.items():
+        outputs[name], scores[name] = to_numpy(
+            layer(x, x, value_mask=mask, return_attention_scores=True)
+        )
+    np.testing.assert_allclose(scores["ours"], scores["builtin"], atol=ATOL)
+    np.testing.assert_allclose(outputs["ours"], outputs["builtin"], atol=ATOL)
+    plain = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4)
+    plain.build(x.shape, x.shape)
+    plain.set_weights(layers["ours"].get_weights())
+    _, plain_scores = plain(x, x, value_mask=mask, return_attention_scores=True)
+    assert not np.allclose(to_numpy(plain_scores), scores["ours"])  # the temperature ran

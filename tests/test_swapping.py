@@ -120,7 +120,36 @@ def test_swapped_context_restores_the_builtin_after_an_error():
     assert type(BUILTIN(num_heads=2, key_dim=4)) is BUILTIN
 
 
-def test_eligible_subclass_is_rebuilt_on_ours_and_the_other_left_with_a_warning():
+def test_subclasses_using_the_builtins_hooks_are_rebuilt_on_ours():
+    model = swap_models.build_subclassed()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        swapped = keras_mha.swap(model)
+    rows = {row["path"]: row for row in swapping.swap_report(model, swapped)}
+    assert [rows[p]["status"] for p in ("cached", "hooked")] == [swapping.REBUILT] * 2
+    assert not [w for w in caught if "stays on the built-in" in str(w.message)]
+
+    cached, hooked = swapped.get_layer("cached"), swapped.get_layer("hooked")
+    for layer in (cached, hooked):
+        assert isinstance(layer, keras_mha.MultiHeadAttention) and not isinstance(layer, BUILTIN)
+    assert type(cached).__name__ == "CachedAttention"
+    assert swapping.unsupported_names(swap_models.CachedAttention) == []
+    assert swapping.unsupported_names(swap_models.SoftmaxHookAttention) == []
+    # The overridden `_build_attention` ran on ours and read its `_softmax`.
+    assert hooked.softmax_axes == model.get_layer("hooked").softmax_axes
+    x = np.random.default_rng(2).standard_normal((2, swap_models.MAXLEN, swap_models.EMBED))
+    np.testing.assert_allclose(
+        swapped.predict_on_batch(x), model.predict_on_batch(x), atol=ATOL, rtol=0
+    )
+    assert cached.get_config()["num_heads"] == 2  # zero-argument super() in the copy
+
+
+def test_subclass_overriding_a_hook_ours_does_not_call_is_left_with_a_warning(monkeypatch):
+    # As if `_build_attention` were a hook ours did not call where the built-in does.
+    overrides = swapping.PROTECTED_OVERRIDES - {"_build_attention"}
+    monkeypatch.setattr(swapping, "PROTECTED_OVERRIDES", overrides)
+    monkeypatch.setattr(swapping, "_rebuilt", {})
+    monkeypatch.setattr(swapping, "_warned", set())
     model = swap_models.build_subclassed()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -128,19 +157,27 @@ def test_eligible_subclass_is_rebuilt_on_ours_and_the_other_left_with_a_warning(
     rows = {row["path"]: row for row in swapping.swap_report(model, swapped)}
     assert rows["cached"]["status"] == swapping.REBUILT
     assert rows["hooked"]["status"] == swapping.LEFT
-    assert rows["hooked"]["reason"] == "uses _build_attention, _softmax"
-    assert any("SoftmaxHookAttention" in str(w.message) for w in caught)
+    assert rows["hooked"]["reason"] == "uses _build_attention"
+    messages = [str(w.message) for w in caught if "SoftmaxHookAttention" in str(w.message)]
+    assert len(messages) == 1 and "_build_attention" in messages[0]
+    assert type(swapped.get_layer("hooked")) is swap_models.SoftmaxHookAttention
 
-    cached, hooked = swapped.get_layer("cached"), swapped.get_layer("hooked")
-    assert isinstance(cached, keras_mha.MultiHeadAttention)
-    assert type(cached).__name__ == "CachedAttention" and not isinstance(cached, BUILTIN)
-    assert type(hooked) is swap_models.SoftmaxHookAttention
-    assert swapping.unsupported_names(swap_models.CachedAttention) == []
-    x = np.random.default_rng(2).standard_normal((2, swap_models.MAXLEN, swap_models.EMBED))
-    np.testing.assert_allclose(
-        swapped.predict_on_batch(x), model.predict_on_batch(x), atol=ATOL, rtol=0
+
+def test_decorator_data_and_module_globals_are_not_protected_names():
+    # keras-hub's export decorator sets `_api_export_path` on its classes; keras-hub's
+    # modules hold their own `_build_proj_equation`: neither keeps a class off ours.
+    from keras_hub.src.layers.modeling.cached_multi_head_attention import (
+        CachedMultiHeadAttention,
     )
-    assert cached.get_config()["num_heads"] == 2  # zero-argument super() in the copy
+    from keras_hub.src.models.whisper.whisper_cached_multi_head_attention import (
+        WhisperCachedMultiHeadAttention,
+    )
+
+    assert "_api_export_path" in vars(CachedMultiHeadAttention)
+    assert swapping.unsupported_names(CachedMultiHeadAttention) == []
+    assert swapping.unsupported_names(WhisperCachedMultiHeadAttention) == []
+    assert "_api_export_path" not in swapping._protected_names(BUILTIN)
+    assert "_build_proj_equation" not in swapping._protected_names(BUILTIN)
 
 
 def test_save_swapped_loads_swapped_with_safe_mode(classifier, tmp_path):
@@ -164,8 +201,9 @@ def test_save_swapped_keeps_rebuilt_subclasses(tmp_path):
         swapped = keras_mha.swap(swap_models.build_subclassed())
         keras_mha.save_swapped(swapped, tmp_path / "sub.keras")
         loaded = keras.saving.load_model(tmp_path / "sub.keras", safe_mode=True)
-    assert isinstance(loaded.get_layer("cached"), keras_mha.MultiHeadAttention)
-    assert type(loaded.get_layer("hooked")) is swap_models.SoftmaxHookAttention
+    for name in ("cached", "hooked"):
+        assert isinstance(loaded.get_layer(name), keras_mha.MultiHeadAttention)
+    assert type(loaded.get_layer("hooked")).__name__ == "SoftmaxHookAttention"
 
 
 def test_plain_save_keeps_only_the_layers_the_config_describes(classifier, tmp_path):
@@ -206,6 +244,11 @@ def test_protected_names_a_rebuilt_subclass_may_use_exist_on_a_built_layer():
         assert name in shared
         assert hasattr(layer, name)
     assert swapping.PROTECTED_OVERRIDES <= shared
+    # Every protected name the built-in's code touches, ours provides (`_gate_dense`
+    # exists on both with `use_gate=True` only).
+    assert swapping._protected_names(BUILTIN) <= swapping._protected_names(type(layer))
+    missing = {n for n in swapping._protected_names(BUILTIN) if not hasattr(layer, n)}
+    assert missing == {"_gate_dense"}
 
 
 def test_swapped_layers_give_fully_masked_rows_what_the_builtin_gives(classifier, tmp_path):
