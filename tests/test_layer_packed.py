@@ -70,9 +70,7 @@ def _spans(lengths=LENGTHS):
         ("plain", "explicit", False),
         ("all", "explicit", True),
         ("all", "chunked", True),
-        ("all", "chunked", False),
         ("rope+gqa+qk_norm", "fused", True),
-        ("rope+gqa+qk_norm", None, False),
     ],
 )
 def test_packed_row_equals_each_document_alone(rng, features, implementation, causal):
