@@ -94,6 +94,44 @@ class AttentionMask:
             return 0, hi
         return _minimum(lo, hi), hi
 
+    @property
+    def data_dependent(self):
+        """Whether the keys a chunk may see depend on data (padding, document ids),
+        known only at run time (`visible_keys`)."""
+        return self.key_valid is not None or self.query_segments is not None
+
+    def visible_keys(self, query_start, query_size, key_length):
+        """`(lo, hi)` like `key_range`, narrowed by every factor known only at run
+        time: the keys that some query `[query_start, query_start + query_size)` of
+        some batch row may see by its key padding and document ids, as well as by
+        causality and the window. int32 scalar tensors; the range is never empty (a
+        chunk that sees no key gets one, masked), so a block always has a key.
+
+        A chunk of one document in packed rows sees only that document's keys: the
+        cost of packed attention grows with the sum of squared document lengths.
+        Needs a static `query_size` and `key_length` (else: `key_range`).
+        """
+        lo, hi = self.key_range(query_start, query_size, key_length)
+        if not self.data_dependent or query_size is None or key_length is None:
+            return lo, hi
+        visible = None  # (B, S): some query of the chunk, in that batch row, may see it
+        if self.query_segments is not None:
+            rows = slice_along(self.query_segments, 1, query_start, query_size)
+            same = same_segment(rows, self.key_segments)  # (B, q, S)
+            if self.query_valid is not None:
+                valid = slice_along(self.query_valid, 1, query_start, query_size)
+                same = ops.logical_and(same, valid[:, :, None])
+            visible = ops.any(same, axis=1)
+        if self.key_valid is not None:
+            visible = logical_and(visible, self.key_valid)
+        visible = ops.any(visible, axis=0)  # (S,)
+        keys = ops.arange(key_length, dtype="int32")
+        first = ops.min(ops.where(visible, keys, key_length))
+        last = ops.max(ops.where(visible, keys, -1)) + 1
+        lo = ops.minimum(ops.maximum(first, lo), key_length - 1)
+        hi = ops.maximum(ops.minimum(last, hi), lo + 1)
+        return lo, hi
+
     def block(self, query_start, query_size, key_start, key_size):
         """The mask of queries `[query_start, +query_size)` against keys
         `[key_start, +key_size)`: boolean, broadcastable to `(B, N, q, k)`, or `None`.

@@ -305,6 +305,54 @@ def test_chunked_skips_keys_no_query_sees(rng, monkeypatch):
     assert widths == [12, 8, 4]  # the chunk with the most keys goes first
 
 
+def _packed_mask(lengths, total, causal=False):
+    """Rows of documents of `lengths` (ids 1, 2, ...) and padding, for both batch rows."""
+    ids = np.zeros((B, total), "int32")
+    starts = np.cumsum([0] + list(lengths))
+    for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        ids[:, a:b] = i + 1
+    ids = ops.convert_to_tensor(ids)
+    return masks.AttentionMask(causal=causal, query_segments=ids, key_segments=ids)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_skips_keys_of_other_documents_at_run_time(rng, monkeypatch, causal):
+    """Eagerly, each chunk of one document computes logits against its document's
+    keys only (and causality cuts them further), forward and backward; the results
+    are the explicit kernel's."""
+    widths = []
+    original = logits.logits
+
+    def spy(query, key_t):
+        widths.append(int(key_t.shape[-1]))
+        return original(query, key_t)
+
+    monkeypatch.setattr(logits, "logits", spy)
+    q, k, v = _inputs(rng, 16, 16)
+    mask = _packed_mask((4, 8, 2), 16, causal)  # then 2 of padding
+    out = chunked.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
+    # Chunks from the last: a 2-token document and padding (which sees nothing): the
+    # document's 2 keys; the 8-token document's second and first chunks (causal: the
+    # keys up to their last query); the 4-token document.
+    assert widths == ([2, 8, 4, 4] if causal else [2, 8, 8, 4])
+    expected, _ = explicit.attention(q, k, v, scale=0.5, equations=EQUATIONS, mask=mask)
+    np.testing.assert_allclose(to_numpy(out), to_numpy(expected), atol=ATOL)
+
+
+def test_visible_keys_narrow_the_static_range_by_padding_and_documents():
+    ids = ops.convert_to_tensor(np.array([[1, 1, 1, 2, 2, 2, 0, 0]] * B, "int32"))
+    valid = np.ones((B, 8), bool)
+    valid[:, 5] = False
+    mask = masks.AttentionMask(query_segments=ids, key_segments=ids)
+    assert [int(x) for x in mask.visible_keys(0, 2, 8)] == [0, 3]
+    assert [int(x) for x in mask.visible_keys(2, 2, 8)] == [0, 6]
+    assert [int(x) for x in mask.visible_keys(6, 2, 8)] == [7, 8]  # nothing: one key
+    padded = masks.AttentionMask(key_valid=ops.convert_to_tensor(valid), causal=True)
+    assert [int(x) for x in padded.visible_keys(4, 4, 8)] == [0, 8]
+    both = dataclasses.replace(mask, key_valid=ops.convert_to_tensor(valid), causal=True)
+    assert [int(x) for x in both.visible_keys(3, 3, 8)] == [3, 5]
+
+
 def test_unknown_query_length_is_one_chunk_unless_the_loop_is_dynamic():
     """Symbolic `T` (a functional model with `(None, dim)` inputs) traces one chunk;
     a dynamic loop chunks it all the same."""

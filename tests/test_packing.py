@@ -76,7 +76,7 @@ def test_every_token_lands_once_with_its_document(lengths, length, overflow):
 @pytest.mark.parametrize(
     "kwargs, name, expected",
     [
-        (dict(sequences=[[1, 2, 3]], length=2, overflow="error"), "sequences", "sequences of at most"),
+        (dict(sequences=[[1, 2, 3]], length=2, overflow="error"), "sequences", "of at most"),
         (dict(sequences=[[1.5, 2.0]], length=4), "sequences", "1-d integer"),
         (dict(sequences=[[[1, 2]]], length=4), "sequences", "1-d integer"),
         (dict(sequences=[[1]], length=0), "length", "a positive integer"),
