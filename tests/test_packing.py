@@ -84,7 +84,7 @@ def test_every_token_lands_once_with_its_document(lengths, length, overflow):
     ],
 )
 def test_bad_input_is_rejected_by_name(kwargs, name, expected):
-    with pytest.raises(ValueError, match=rf"argument `{name}`, expected {expected}"):
+    with pytest.raises(ValueError, match=rf"argument `{name}`, expected .*{expected}"):
         packing.pack(**kwargs)
 
 
