@@ -96,9 +96,10 @@ class AttentionMask:
 
     @property
     def data_dependent(self):
-        """Whether the keys a chunk may see depend on data (padding, document ids),
-        known only at run time (`visible_keys`)."""
-        return self.key_valid is not None or self.query_segments is not None
+        """Whether the keys a chunk may see depend on data (key padding, document
+        ids), known only at run time (`visible_keys`)."""
+        keys = self.key_valid is not None and len(self.key_valid.shape) == 2
+        return keys or self.query_segments is not None
 
     def visible_keys(self, query_start, query_size, key_length):
         """`(lo, hi)` like `key_range`, narrowed by every factor known only at run
@@ -122,9 +123,11 @@ class AttentionMask:
                 valid = slice_along(self.query_valid, 1, query_start, query_size)
                 same = ops.logical_and(same, valid[:, :, None])
             visible = ops.any(same, axis=1)
-        if self.key_valid is not None:
+        if self.key_valid is not None and len(self.key_valid.shape) == 2:
             visible = logical_and(visible, self.key_valid)
-        visible = ops.any(visible, axis=0)  # (S,)
+        if visible is None:
+            return lo, hi
+        visible = ops.any(visible, axis=0)  # (S,), or (1,) from a (B, 1) padding
         keys = ops.arange(key_length, dtype="int32")
         first = ops.min(ops.where(visible, keys, key_length))
         last = ops.max(ops.where(visible, keys, -1)) + 1
