@@ -54,6 +54,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/floor.py
+	$(BIN)/python benchmarks/packed.py
 
 # GPU tests + GPU benchmark per installed backend, against the existing .venv (no
 # install, no network), then a markdown report in $(GPU_OUT). On a machine without a

@@ -263,7 +263,7 @@ def scores_shape(query_shape, value_shape, axes, num_heads):
     )
 
 
-def call_arguments(arguments, axes, num_heads):
+def call_arguments(arguments, axes, num_heads, rotates=False):
     """A call's inputs and masks, checked before Keras converts them to tensors (a
     string mask would fail there, naming nothing) or builds the layer, so a rejected
     call leaves no weights behind. (Its flags are checked by `flag` as they come.)
@@ -272,6 +272,7 @@ def call_arguments(arguments, axes, num_heads):
         arguments: the call's arguments by name (`inspect.BoundArguments.arguments`).
         axes: the layer's `attention_axes` (as given, or normalized once built).
         num_heads: the layer's number of (query) heads.
+        rotates: the layer applies rotary embeddings (`positions` needs them).
     """
     query, value, key = (arguments.get(name) for name in ("query", "value", "key"))
     if not all(hasattr(x, "shape") for x in (query, value) + ((key,) if key is not None else ())):
@@ -281,7 +282,17 @@ def call_arguments(arguments, axes, num_heads):
     )
     axes = attention_axes_for_rank(axes, len(query_shape))
     free_axes(query_shape, value_shape, axes)
-    if arguments.get("cache") is not None:
+    cache = arguments.get("cache")
+    packed(
+        arguments.get("segment_ids"),
+        arguments.get("key_segment_ids"),
+        arguments.get("positions"),
+        query_shape,
+        key_shape if cache is None else (query_shape[0], _shape(cache)[2]),
+        cached=cache is not None,
+        rotates=rotates,
+    )
+    if cache is not None:
         return  # masks then cover the cache's positions; `call` checks them
     scores = scores_shape(query_shape, value_shape, axes, num_heads)
     attention_bias(arguments.get("attention_bias"), scores)
@@ -290,6 +301,89 @@ def call_arguments(arguments, axes, num_heads):
     mask("value_mask", arguments.get("value_mask"), batch + value_shape[1:-1])
     mask("key_mask", arguments.get("key_mask"), batch + key_shape[1:-1])
     attention_mask(arguments.get("attention_mask"), scores, len(axes))
+
+
+def packed(segment_ids, key_segment_ids, positions, query_shape, key_shape, cached, rotates):
+    """Packed rows' document ids and positions: integer `(B, T)` (the keys' ids
+    `(B, S)`), on `(B, T, dim)` inputs; keys of another length than the queries (or a
+    cache) need their own ids; `positions` need rotary embeddings and keys rotated
+    along with the queries (self-attention or a cache).
+
+    Args:
+        segment_ids, key_segment_ids, positions: the call's arguments, or `None`.
+        query_shape: `(B, T, dim)`; key_shape: `(B, S, ...)` (with a cache, `S` is
+            its length).
+        cached: a cache is given.
+        rotates: the layer has rotary embeddings.
+    """
+    given = [
+        (name, value)
+        for name, value in (
+            ("segment_ids", segment_ids),
+            ("key_segment_ids", key_segment_ids),
+            ("positions", positions),
+        )
+        if value is not None
+    ]
+    if not given:
+        return
+    if len(query_shape) != 3:
+        name, value = given[0]
+        raise invalid(
+            name,
+            "`None` unless the inputs are (B, T, dim) sequences",
+            f"shape {shape_str(_shape(value))}",
+            extra=f"with a query of shape {shape_str(query_shape)}",
+        )
+    queries, keys = query_shape[:2], tuple(key_shape[:2])
+    for name, value, expected in (
+        ("segment_ids", segment_ids, queries),
+        ("key_segment_ids", key_segment_ids, keys),
+        ("positions", positions, queries),
+    ):
+        _integer_ids(name, value, expected)
+    if key_segment_ids is not None and segment_ids is None:
+        raise invalid(
+            "key_segment_ids",
+            "`None` when no `segment_ids` are given (the queries' document ids)",
+            f"shape {shape_str(_shape(key_segment_ids))}",
+        )
+    if segment_ids is not None and key_segment_ids is None:
+        if cached or dims_differ(queries[1], keys[1]):
+            raise invalid(
+                "key_segment_ids",
+                f"the keys' document ids, shape {shape_str(keys)}, when the keys are "
+                "not the queries (another length, or a cache)",
+                None,
+            )
+    if positions is not None:
+        if not rotates:
+            raise invalid(
+                "positions",
+                "`None` on a layer without rotary embeddings (`rope_max_wavelength`)",
+                f"shape {shape_str(_shape(positions))}",
+            )
+        if not cached and dims_differ(queries[1], keys[1]):
+            raise invalid(
+                "positions",
+                "`None` when the keys (rotated at the same positions) are not as long as "
+                f"the queries; keys: {shape_str(keys)}",
+                f"shape {shape_str(_shape(positions))}",
+            )
+
+
+def _integer_ids(name, value, expected_shape):
+    """An integer `(B, L)` tensor (or array)."""
+    if value is None:
+        return
+    dtype = str(getattr(value, "dtype", type(value).__name__))
+    if "int" not in dtype:
+        raise invalid(name, "an integer tensor", f"dtype {dtype}")
+    shape = _shape(value)
+    if len(shape) != 2 or any(dims_differ(a, b) for a, b in zip(shape, expected_shape)):
+        raise invalid(
+            name, f"a tensor of shape {shape_str(expected_shape)}", f"shape {shape_str(shape)}"
+        )
 
 
 def _mask_dtype(name, mask_value):

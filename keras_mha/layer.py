@@ -22,6 +22,8 @@ from keras_mha import sinks as sinks_lib
 # What a query row with no visible key gets: see the `fully_masked_rows` argument.
 FULLY_MASKED_ROWS = ("zero", "builtin")
 _MASK_ARGUMENTS = ("query_mask", "value_mask", "key_mask", "attention_mask")
+# Packed rows: integer per-position arguments, given as lists too.
+_ID_ARGUMENTS = ("segment_ids", "key_segment_ids", "positions")
 # Call flags -> what `None` means: no causal mask, as the built-in reads it; the
 # constructor's default for the scores.
 _FLAG_ARGUMENTS = {"use_causal_mask": False, "return_attention_scores": None}
@@ -181,6 +183,19 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         attention_bias: Optional float tensor broadcastable to the scores
             `(B, N, T, S)` (with a cache, `S` is its length), added to the logits:
             ALiBi, relative position bias, any learned bias (it gets gradients).
+        segment_ids: Optional `(B, T)` integer document ids of packed rows: a
+            query attends only to keys of its own document. Id 0 is padding: such
+            a query attends to nothing (zero output), such a key is seen by no
+            query. Combines with every other mask. With RoPE and no `positions`,
+            positions restart at 0 wherever the id changes (`rope.segment_positions`;
+            not with a cache, whose positions stay `cache_update_index + t`).
+            `(B, T, dim)` inputs only.
+        key_segment_ids: Optional `(B, S)` document ids of the keys (with a cache,
+            `S` is its length); `None` uses `segment_ids` (self-attention). Needed
+            when the keys are not the queries.
+        positions: Optional `(B, T)` integer RoPE positions per token, replacing
+            `cache_update_index + t` (or those derived from `segment_ids`) for the
+            queries and the new keys. Needs `rope_max_wavelength`.
 
     Returns:
         output: `(B, T, dim)`, or `(B, T) + output_shape` when given.
@@ -485,7 +500,12 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             if type(self).call is MultiHeadAttention.call:
                 # A subclass's own `call` gives its arguments its own meaning.
                 arguments = bound.signature.bind(*args, **kwargs).arguments
-                checks.call_arguments(arguments, self._attention_axes, self._num_heads)
+                checks.call_arguments(
+                    arguments,
+                    self._attention_axes,
+                    self._num_heads,
+                    rotates=self._rope_max_wavelength is not None,
+                )
         return super().__call__(*args, **kwargs)
 
     def call(
@@ -503,6 +523,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         cache=None,
         cache_update_index=None,
         attention_bias=None,
+        segment_ids=None,
+        key_segment_ids=None,
+        positions=None,
     ):
         if key is None:
             key = value
@@ -540,8 +563,10 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         if self._rope_max_wavelength is not None:
             # Queries and the new keys sit at `cache_update_index + t` when decoding.
             start = 0 if cache_update_index is None else cache_update_index
-            projected_query = self._rotate(projected_query, start)
-            projected_key = self._rotate(projected_key, start)
+            if positions is None and segment_ids is not None and cache is None:
+                positions = rope.segment_positions(segment_ids)  # restart per document
+            projected_query = self._rotate(projected_query, start, positions)
+            projected_key = self._rotate(projected_key, start, positions)
         if cache is not None:
             if cache_update_index is not None:
                 cache = cache_lib.update(cache, projected_key, projected_value, cache_update_index)
@@ -559,7 +584,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             query_offset=cache_update_index,
         )
         overridden = type(self)._compute_attention is not MultiHeadAttention._compute_attention
-        if not (overridden or builtin_hooks.overrides_mask_hooks(self)):
+        described = not (overridden or builtin_hooks.overrides_mask_hooks(self))
+        if described:
             mask = self._describe_masks(projected_query, projected_key, **masks)
         else:
             # Hooks overridden as for the built-in (`_compute_attention`, the mask
@@ -567,6 +593,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             mask = self._compute_attention_mask(
                 query, value if cache is None else projected_key, **masks
             )
+        if segment_ids is not None:
+            mask = self._with_segments(mask, segment_ids, key_segment_ids, described)
         bias = {} if attention_bias is None else {"attention_bias": attention_bias}
         attention_output, scores = self._compute_attention(
             projected_query, projected_key, projected_value, mask, training, need_scores, **bias
@@ -617,8 +645,20 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             return None
         return cache_lib.as_index(cache_update_index)
 
-    def _rotate(self, x, start):
-        return rope.rotate(x, start, self._rope_max_wavelength, self._rope_scaling_factor)
+    def _rotate(self, x, start, positions=None):
+        return rope.rotate(
+            x, start, self._rope_max_wavelength, self._rope_scaling_factor, positions
+        )
+
+    def _with_segments(self, mask, segment_ids, key_segment_ids, described):
+        """The call's mask with packed rows' document ids: described (an
+        `AttentionMask` or `None`), or dense (`(B or 1, T, S)` or `None`, for an
+        overridden `_compute_attention`)."""
+        ids = masks_lib.segments(segment_ids, key_segment_ids)
+        if described:
+            return dataclasses.replace(mask or masks_lib.AttentionMask(), **ids)
+        same = masks_lib.same_segment(ids["query_segments"], ids["key_segments"])
+        return masks_lib.logical_and(mask, same)
 
     def _repeat_key_value_heads(self, key, value):
         """Grouped-query attention: each key/value head serves `N / Nkv` adjacent
@@ -879,6 +919,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         cache=None,
         cache_update_index=None,
         attention_bias=None,
+        segment_ids=None,
+        key_segment_ids=None,
+        positions=None,
     ):
         key_shape = None if key is None else key.shape
         output = keras.KerasTensor(
@@ -922,7 +965,7 @@ def _as_the_builtin_reads_them(bound, args, kwargs):
         else:
             args[positions.index(name)] = value
 
-    for name in _MASK_ARGUMENTS:
+    for name in _MASK_ARGUMENTS + _ID_ARGUMENTS:
         value = bound.arguments.get(name)
         if isinstance(value, (list, tuple)):
             try:

@@ -2,19 +2,24 @@
 
 A call's masks arrive in pieces: padding of the queries and of the keys (Keras implicit
 masks, `query_mask`, `value_mask`, `key_mask`), causality with an offset (KV-cache
-decoding), a sliding window, and perhaps a dense `attention_mask` from the user.
+decoding), a sliding window, document ids of packed rows (`segment_ids`), and perhaps
+a dense `attention_mask` from the user.
 `AttentionMask` keeps them apart. Kernels ask it for the block they are working on
 (`block`) and for the keys a block of queries can see at all (`key_range`), so no
 `(B, ..., T, S)` tensor exists unless the user passed one.
 
 Every boolean mask here means `True` = "may attend". The dense form, for the explicit
 kernel and for subclasses written against the built-in layer, is `merge_masks`.
+
+Packed rows: each position carries an integer document id; a query sees only keys of
+its own document. Id 0 is padding (MaxText's convention): a query with id 0 attends to
+nothing (zero output), a key with id 0 is seen by no query.
 """
 
 import dataclasses
 from typing import Any
 
-from keras import ops
+from keras import backend, ops
 
 from keras_mha._keras_private import get_keras_mask, set_keras_mask  # noqa: F401
 
@@ -34,6 +39,10 @@ class AttentionMask:
         dense: `None` or the user's boolean mask, rank 4, broadcastable to
             `(B, N, T, S)`. For N-d attention, the whole merged mask in the scores'
             layout (the explicit kernel is the only one that runs then).
+        query_segments: `(B, T)` integer document ids of the queries (packed rows),
+            or `None`. Id 0 is padding: such a query attends to nothing.
+        key_segments: `(B, S)` integer document ids of the keys; given whenever
+            `query_segments` is. A key with id 0 is seen by no query.
     """
 
     query_valid: Any = None
@@ -42,6 +51,8 @@ class AttentionMask:
     offset: Any = 0
     window: int | None = None
     dense: Any = None
+    query_segments: Any = None
+    key_segments: Any = None
 
     @property
     def is_empty(self):
@@ -52,6 +63,7 @@ class AttentionMask:
             and not self.causal
             and self.window is None
             and self.dense is None
+            and self.query_segments is None
         )
 
     @property
@@ -82,6 +94,47 @@ class AttentionMask:
             return 0, hi
         return _minimum(lo, hi), hi
 
+    @property
+    def data_dependent(self):
+        """Whether the keys a chunk may see depend on data (key padding, document
+        ids), known only at run time (`visible_keys`)."""
+        keys = self.key_valid is not None and len(self.key_valid.shape) == 2
+        return keys or self.query_segments is not None
+
+    def visible_keys(self, query_start, query_size, key_length):
+        """`(lo, hi)` like `key_range`, narrowed by every factor known only at run
+        time: the keys that some query `[query_start, query_start + query_size)` of
+        some batch row may see by its key padding and document ids, as well as by
+        causality and the window. int32 scalar tensors; the range is never empty (a
+        chunk that sees no key gets one, masked), so a block always has a key.
+
+        A chunk of one document in packed rows sees only that document's keys: the
+        cost of packed attention grows with the sum of squared document lengths.
+        Needs a static `query_size` and `key_length` (else: `key_range`).
+        """
+        lo, hi = self.key_range(query_start, query_size, key_length)
+        if not self.data_dependent or query_size is None or key_length is None:
+            return lo, hi
+        visible = None  # (B, S): some query of the chunk, in that batch row, may see it
+        if self.query_segments is not None:
+            rows = slice_along(self.query_segments, 1, query_start, query_size)
+            same = same_segment(rows, self.key_segments)  # (B, q, S)
+            if self.query_valid is not None:
+                valid = slice_along(self.query_valid, 1, query_start, query_size)
+                same = ops.logical_and(same, valid[:, :, None])
+            visible = ops.any(same, axis=1)
+        if self.key_valid is not None and len(self.key_valid.shape) == 2:
+            visible = logical_and(visible, self.key_valid)
+        if visible is None:
+            return lo, hi
+        visible = ops.any(visible, axis=0)  # (S,), or (1,) from a (B, 1) padding
+        keys = ops.arange(key_length, dtype="int32")
+        first = ops.min(ops.where(visible, keys, key_length))
+        last = ops.max(ops.where(visible, keys, -1)) + 1
+        lo = ops.minimum(ops.maximum(first, lo), key_length - 1)
+        hi = ops.maximum(ops.minimum(last, hi), lo + 1)
+        return lo, hi
+
     def block(self, query_start, query_size, key_start, key_size):
         """The mask of queries `[query_start, +query_size)` against keys
         `[key_start, +key_size)`: boolean, broadcastable to `(B, N, q, k)`, or `None`.
@@ -101,6 +154,10 @@ class AttentionMask:
                 parts.append(ops.greater_equal(rows, cols))
             if self.window is not None:
                 parts.append(ops.less(ops.abs(rows - cols), self.window))
+        if self.query_segments is not None:
+            rows = slice_along(self.query_segments, 1, query_start, query_size)
+            cols = slice_along(self.key_segments, 1, key_start, key_size)
+            parts.append(same_segment(rows, cols)[:, None])
         if self.dense is not None:
             parts.append(block_of(self.dense, query_start, query_size, key_start, key_size))
         return logical_and(*parts)
@@ -111,9 +168,10 @@ class AttentionMask:
 
         The padding, causal and window factors are counted in `O(B * (T + S))`: the
         visible keys of row `t` form one range, and a prefix sum of the keys' padding
-        counts the valid ones in it. A dense mask is reduced over its keys.
+        counts the valid ones in it. A dense mask, or document ids, are reduced over
+        the keys of the whole `(T, S)` block.
         """
-        if self.dense is not None:
+        if self.dense is not None or self.query_segments is not None:
             visible = self.block(0, query_length, 0, key_length)
             return ops.logical_not(ops.any(visible, axis=-1))
         if self.key_valid is None and not self.causal and self.window is None:
@@ -162,6 +220,8 @@ def describe(
     use_causal_mask=False,
     sliding_window=None,
     offset=None,
+    segment_ids=None,
+    key_segment_ids=None,
 ):
     """An `AttentionMask` from a call's arguments (rank-3 inputs), or `None`.
 
@@ -172,6 +232,10 @@ def describe(
         use_causal_mask: causal masking.
         sliding_window: `None` or a positive int.
         offset: position of the first query among the keys; `None` means 0.
+        segment_ids: `(B, T)` integer document ids of the queries (0 = padding), or
+            `None`.
+        key_segment_ids: `(B, S)` document ids of the keys; `None` takes
+            `segment_ids` (self-attention, `S == T`).
     """
     dense = as_bool(attention_mask)
     if dense is not None:
@@ -186,8 +250,38 @@ def describe(
         offset=0 if offset is None else offset,
         window=sliding_window,
         dense=dense,
+        **segments(segment_ids, key_segment_ids),
     )
     return None if mask.is_empty else mask
+
+
+def segments(segment_ids, key_segment_ids=None):
+    """`{"query_segments": ..., "key_segments": ...}` as int32 tensors (the keys'
+    ids default to the queries'), or `{}` when no ids are given."""
+    if segment_ids is None:
+        return {}
+    queries = as_int(segment_ids)
+    keys = queries if key_segment_ids is None else as_int(key_segment_ids)
+    return {"query_segments": queries, "key_segments": keys}
+
+
+def same_segment(query_segments, key_segments):
+    """`(B, q, k)` boolean: query and key in the same document, and not padding (id 0).
+
+    Args:
+        query_segments: `(B, q)` integer ids; key_segments: `(B, k)`.
+    """
+    rows, cols = query_segments[:, :, None], key_segments[:, None, :]
+    return ops.logical_and(ops.equal(rows, cols), ops.not_equal(rows, 0))
+
+
+def as_int(ids):
+    """Integer ids (a tensor, NumPy array or list) as an int32 tensor."""
+    if not hasattr(ids, "dtype"):
+        ids = ops.convert_to_tensor(ids)
+    if backend.standardize_dtype(ids.dtype) != "int32":
+        ids = ops.cast(ids, "int32")
+    return ids
 
 
 def causal_mask(query_length, key_length, offset=0):
@@ -241,6 +335,8 @@ def merge_masks(
     use_causal_mask=False,
     sliding_window=None,
     offset=0,
+    segment_ids=None,
+    key_segment_ids=None,
 ):
     """The built-in layer's mask merge, as one dense `(B or 1, T, S)` boolean mask.
 
@@ -255,6 +351,8 @@ def merge_masks(
         use_causal_mask: AND a causal mask (see `causal_mask`).
         sliding_window: AND a `sliding_window_mask` of this width.
         offset: position of the first query, for causal and window masks.
+        segment_ids, key_segment_ids: document ids of packed rows (see `describe`);
+            AND the block-diagonal mask of `same_segment`.
     """
     parts = []
     if query_mask is not None:
@@ -267,6 +365,9 @@ def merge_masks(
         parts.append(causal_mask(query_length, key_length, offset))
     if sliding_window is not None:
         parts.append(sliding_window_mask(query_length, key_length, sliding_window, offset))
+    if segment_ids is not None:
+        ids = segments(segment_ids, key_segment_ids)
+        parts.append(same_segment(ids["query_segments"], ids["key_segments"]))
     merged = logical_and(*parts)
     if attention_mask is not None and merged is not None:
         # A user mask with a heads axis, (B, N, T, S): the (B or 1, T, S) parts get

@@ -381,3 +381,55 @@ def test_validation_passes_on_the_backends_symbolic_trace(rng):
     got = to_numpy(_trace_with_dynamic_dims(model, [q, v, mask]))
     np.testing.assert_allclose(got, expected, atol=ATOL)
     assert ops.convert_to_numpy(expected).shape == (3, 4, DIM)
+
+
+# --------------------------------------------------------------------- packed rows
+PACKED_ERRORS = {
+    "float ids": (dict(segment_ids=np.ones((B, T), "float32")), "segment_ids", "integer"),
+    "ids of another length": (
+        dict(segment_ids=np.ones((B, T + 1), "int32")),
+        "segment_ids",
+        r"shape \(2, 5\)",
+    ),
+    "key ids alone": (
+        dict(key_segment_ids=np.ones((B, S), "int32")),
+        "key_segment_ids",
+        "no `segment_ids`",
+    ),
+    "keys of another length without their ids": (
+        dict(segment_ids=np.ones((B, T), "int32")),
+        "key_segment_ids",
+        "the keys' document ids",
+    ),
+    "key ids of the wrong length": (
+        dict(segment_ids=np.ones((B, T), "int32"), key_segment_ids=np.ones((B, T), "int32")),
+        "key_segment_ids",
+        r"shape \(2, 6\)",
+    ),
+    "positions without rope": (
+        dict(positions=np.zeros((B, T), "int32")),
+        "positions",
+        "rope_max_wavelength",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PACKED_ERRORS))
+def test_packed_arguments_are_rejected_by_name_before_building(rng, case):
+    kwargs, name, expected = PACKED_ERRORS[case]
+    layer = keras_mha.MultiHeadAttention(2, 4)
+    query, value = random_inputs(rng, (B, T, DIM), (B, S, DIM))
+    with pytest.raises(ValueError, match=rf"argument `{name}`, expected .*{expected}"):
+        layer(query, value, **kwargs)
+    assert not layer.built and not layer.weights
+
+
+def test_packed_arguments_need_sequences_and_rotated_keys_of_the_queries_length(rng):
+    layer = keras_mha.MultiHeadAttention(2, 4, attention_axes=(1, 2))
+    x = rng.standard_normal((B, 3, 4, DIM)).astype("float32")
+    with pytest.raises(ValueError, match=r"argument `segment_ids`, expected `None` unless"):
+        layer(x, x, segment_ids=np.ones((B, 3), "int32"))
+    rotating = keras_mha.MultiHeadAttention(2, 4, rope_max_wavelength=100.0)
+    query, value = random_inputs(rng, (B, T, DIM), (B, S, DIM))
+    with pytest.raises(ValueError, match=r"argument `positions`, expected `None` when the keys"):
+        rotating(query, value, positions=np.zeros((B, T), "int32"))

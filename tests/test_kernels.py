@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import BACKEND, to_numpy, value_and_grads
 from keras import ops
+from reference import reference_attention
 
 from keras_mha import equations, kernels, masks
 from keras_mha.kernels import chunked, explicit, fused, logits
@@ -43,7 +44,34 @@ MASKS = {
     ),
     # Batch 0 has no key at all; batch 1's padding leaves every row a key.
     "no-keys": lambda t, s: masks.AttentionMask(key_valid=np.arange(B)[:, None] * np.ones(s) > 0),
+    # Packed rows: document ids per position, 0 = padding.
+    "segments": lambda t, s: masks.AttentionMask(
+        query_segments=_segment_ids(t), key_segments=_segment_ids(s)
+    ),
+    "segments+causal+window+padding": lambda t, s: masks.AttentionMask(
+        causal=True,
+        window=5,
+        key_valid=_padding(s, 11),
+        query_valid=_padding(t, 10),
+        query_segments=_segment_ids(t),
+        key_segments=_segment_ids(s),
+    ),
 }
+
+
+def _segment_ids(length):
+    """`(B, length)` int32 document ids: batch 0 documents of 4, 5 and the rest (ids 1,
+    2, 3); batch 1 ids 7 (6 positions), 2 (4), then padding (0)."""
+    ids = np.zeros((B, length), "int32")
+    ids[0, :4], ids[0, 4:9], ids[0, 9:] = 1, 2, 3
+    ids[1, :6], ids[1, 6:10] = 7, 2
+    return ids
+
+
+def _block_diagonal(t, s):
+    """The dense `(B, 1, t, s)` mask `_segment_ids` describes."""
+    rows, cols = _segment_ids(t)[:, :, None], _segment_ids(s)[:, None, :]
+    return ((rows == cols) & (rows != 0))[:, None]
 
 
 def _dense(t, s, heads):
@@ -114,7 +142,10 @@ def test_chunked_matches_explicit_forward_and_backward(rng, kernel, masking, len
 
 
 @pytest.mark.parametrize("kernel", CHUNKED)
-@pytest.mark.parametrize("masking", ["none", "causal+padding", "dense-heads+causal", "offset"])
+@pytest.mark.parametrize(
+    "masking",
+    ["none", "causal+padding", "dense-heads+causal", "offset", "segments+causal+window+padding"],
+)
 def test_chunked_logit_features_match_explicit(rng, kernel, masking):
     q, k, v = _inputs(rng, T, T + 2)
     bias = rng.standard_normal((1, N, T, T + 2)).astype("float32")
@@ -137,6 +168,8 @@ def test_chunked_dropout_equals_explicit_dropout(rng, kernel):
     seed = ops.convert_to_tensor(np.array([3, 11]), "int32")
     mask = MASKS["causal+padding"](T, T)
     _assert_same(kernel, mask, _inputs(rng), dropout=0.4, seed=seed)
+    packed = MASKS["segments+causal+window+padding"](T, T)
+    _assert_same(kernel, packed, _inputs(rng), dropout=0.4, seed=seed)
     # Dropout acted, and another seed drops other weights.
     plain, _ = value_and_grads(_run("chunked", mask), _inputs(rng))
     first, _ = value_and_grads(_run("chunked", mask, dropout=0.4, seed=seed), _inputs(rng))
@@ -180,11 +213,54 @@ def test_fused_matches_explicit(rng, masking, lengths):
     _assert_same("fused", mask, _inputs(rng, t, s))
 
 
-@pytest.mark.parametrize("masking", ["none", "keys", "causal+padding", "dense-heads+causal"])
+@pytest.mark.parametrize(
+    "masking", ["none", "keys", "causal+padding", "dense-heads+causal", "segments"]
+)
 def test_fused_takes_a_bias(rng, masking):
     q, k, v = _inputs(rng)
     bias = rng.standard_normal((1, N, T, T)).astype("float32")
     _assert_same("fused", MASKS[masking](T, T), (q, k, v, bias), ("bias",))
+
+
+@pytest.mark.parametrize("kernel", ["explicit", "fused"] + CHUNKED)
+@pytest.mark.parametrize("masking", ["segments", "segments+causal+window+padding"])
+@pytest.mark.parametrize("lengths", [(9, T)])
+def test_segments_match_the_reference_with_a_dense_block_diagonal_mask(
+    rng, kernel, masking, lengths
+):
+    """Forward against the float64 reference given the dense block-diagonal mask;
+    backward against the explicit kernel given that dense mask (no document ids)."""
+    t, s = lengths
+    mask = MASKS[masking](t, s)
+    dense = dataclasses.replace(
+        mask, query_segments=None, key_segments=None, dense=_block_diagonal(t, s)
+    )
+    arrays = _inputs(rng, t, s)
+    out, grads = value_and_grads(_run(kernel, mask), arrays)
+    dense_mask = to_numpy(_tensorize(dense).block(0, t, 0, s))
+    expected, _ = reference_attention(*arrays, mask=dense_mask[:, 0])
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    _, expected_grads = value_and_grads(_run("explicit", dense), arrays)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    # Across documents nothing flows: the key gradient of batch 0's first document
+    # comes from its own queries only.
+    assert np.abs(grads[1][0, :4]).max() > 0
+
+
+def test_fused_builds_no_whole_mask_for_segments(rng, monkeypatch):
+    """Document ids are built into a mask one chunk of queries at a time."""
+    shapes = []
+    original = fused._Kernel.__call__
+
+    def spy(self, query, key, value, mask, *rest):
+        shapes.append(tuple(mask.shape))
+        return original(self, query, key, value, mask, *rest)
+
+    monkeypatch.setattr(fused._Kernel, "__call__", spy)
+    q, k, v = _inputs(rng)
+    fused.attention(q, k, v, scale=1.0, mask=_tensorize(MASKS["segments"](T, T)), chunk_size=4)
+    assert shapes == [(B, 1, 1, T), (B, 1, 4, T), (B, 1, 4, T), (B, 1, 4, T)]
 
 
 def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch):
@@ -227,6 +303,54 @@ def test_chunked_skips_keys_no_query_sees(rng, monkeypatch):
     q, k, v = _inputs(rng, 12, 12)
     chunked.attention(q, k, v, scale=0.5, mask=masks.AttentionMask(causal=True), chunk_size=4)
     assert widths == [12, 8, 4]  # the chunk with the most keys goes first
+
+
+def _packed_mask(lengths, total, causal=False):
+    """Rows of documents of `lengths` (ids 1, 2, ...) and padding, for both batch rows."""
+    ids = np.zeros((B, total), "int32")
+    starts = np.cumsum([0] + list(lengths))
+    for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        ids[:, a:b] = i + 1
+    ids = ops.convert_to_tensor(ids)
+    return masks.AttentionMask(causal=causal, query_segments=ids, key_segments=ids)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_skips_keys_of_other_documents_at_run_time(rng, monkeypatch, causal):
+    """Eagerly, each chunk of one document computes logits against its document's
+    keys only (and causality cuts them further), forward and backward; the results
+    are the explicit kernel's."""
+    widths = []
+    original = logits.logits
+
+    def spy(query, key_t):
+        widths.append(int(key_t.shape[-1]))
+        return original(query, key_t)
+
+    monkeypatch.setattr(logits, "logits", spy)
+    q, k, v = _inputs(rng, 16, 16)
+    mask = _packed_mask((4, 8, 2), 16, causal)  # then 2 of padding
+    out = chunked.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
+    # Chunks from the last: a 2-token document and padding (which sees nothing): the
+    # document's 2 keys; the 8-token document's second and first chunks (causal: the
+    # keys up to their last query); the 4-token document.
+    assert widths == ([2, 8, 4, 4] if causal else [2, 8, 8, 4])
+    expected, _ = explicit.attention(q, k, v, scale=0.5, equations=EQUATIONS, mask=mask)
+    np.testing.assert_allclose(to_numpy(out), to_numpy(expected), atol=ATOL)
+
+
+def test_visible_keys_narrow_the_static_range_by_padding_and_documents():
+    ids = ops.convert_to_tensor(np.array([[1, 1, 1, 2, 2, 2, 0, 0]] * B, "int32"))
+    valid = np.ones((B, 8), bool)
+    valid[:, 5] = False
+    mask = masks.AttentionMask(query_segments=ids, key_segments=ids)
+    assert [int(x) for x in mask.visible_keys(0, 2, 8)] == [0, 3]
+    assert [int(x) for x in mask.visible_keys(2, 2, 8)] == [0, 6]
+    assert [int(x) for x in mask.visible_keys(6, 2, 8)] == [7, 8]  # nothing: one key
+    padded = masks.AttentionMask(key_valid=ops.convert_to_tensor(valid), causal=True)
+    assert [int(x) for x in padded.visible_keys(4, 4, 8)] == [0, 8]
+    both = dataclasses.replace(mask, key_valid=ops.convert_to_tensor(valid), causal=True)
+    assert [int(x) for x in both.visible_keys(3, 3, 8)] == [3, 5]
 
 
 def test_unknown_query_length_is_one_chunk_unless_the_loop_is_dynamic():
@@ -285,7 +409,10 @@ def _compiled_value_and_grads(fn, arrays, how):
 
 
 @pytest.mark.parametrize("how", ["graph", "xla", "unknown-length"])
-@pytest.mark.parametrize("masking", ["causal+padding", "offset", "dense-heads+causal", "no-keys"])
+@pytest.mark.parametrize(
+    "masking",
+    ["causal+padding", "offset", "dense-heads+causal", "no-keys", "segments+causal+window+padding"],
+)
 def test_policy_kernel_in_a_compiled_step_matches_explicit(rng, masking, how):
     """The chunked kernel as the backend's policy runs it (TensorFlow: the dynamic
     loop in a graph, the static one under XLA), forward and backward in one step."""

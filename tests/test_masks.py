@@ -15,9 +15,21 @@ from keras_mha import masks
 B, N, T, S = 2, 3, 7, 9
 
 
-def _numpy_mask(query_valid=None, key_valid=None, causal=False, offset=0, window=None, dense=None):
+def _numpy_mask(
+    query_valid=None,
+    key_valid=None,
+    causal=False,
+    offset=0,
+    window=None,
+    dense=None,
+    query_segments=None,
+    key_segments=None,
+):
     """The whole `(B, N, T, S)` mask the factors stand for, written out."""
     allowed = np.ones((B, N, T, S), bool)
+    if query_segments is not None:  # same document, and not padding (id 0)
+        rows, cols = query_segments[:, None, :, None], key_segments[:, None, None, :]
+        allowed &= (rows == cols) & (rows != 0)
     rows, cols = np.arange(T)[:, None] + offset, np.arange(S)[None, :]
     if query_valid is not None:
         allowed &= query_valid[:, None, :, None]
@@ -42,6 +54,10 @@ FACTORS = {
     "dense-heads": dict(dense=(B, N, T, S)),
     "dense-broadcast": dict(dense=(1, 1, 1, S)),
     "everything": dict(query_valid=True, key_valid=True, causal=True, window=5, dense=(B, N, T, S)),
+    "segments": dict(query_segments=True),
+    "segments+everything": dict(
+        query_segments=True, query_valid=True, key_valid=True, causal=True, window=5, offset=2
+    ),
 }
 
 
@@ -53,6 +69,9 @@ def _factors(rng, spec):
         factors["key_valid"] = rng.random((B, S)) < 0.8
     if "dense" in factors:
         factors["dense"] = rng.random(factors["dense"]) < 0.7
+    if factors.get("query_segments"):  # ids 0 (padding) to 3, in runs
+        factors["query_segments"] = np.sort(rng.integers(0, 4, (B, T)), axis=1).astype("int32")
+        factors["key_segments"] = np.sort(rng.integers(0, 4, (B, S)), axis=1).astype("int32")
     return factors
 
 
@@ -238,6 +257,33 @@ def test_empty_rows_are_the_rows_the_written_out_mask_leaves_empty(factors):
     np.testing.assert_array_equal(np.broadcast_to(got, expected.shape), expected)
 
 
+def test_empty_rows_with_document_ids():
+    ids = np.array([[1, 1, 2, 2, 0, 0, 0], [3, 3, 3, 0, 0, 0, 0]], "int32")
+    keys = np.array([[1, 1, 0, 0, 0, 0, 0, 0, 0], [4, 4, 4, 4, 4, 4, 4, 4, 4]], "int32")
+    mask = masks.describe(segment_ids=ids, key_segment_ids=keys)
+    expected = ~((ids[:, :, None] == keys[:, None, :]) & (ids[:, :, None] != 0)).any(-1)
+    assert expected.any() and not expected.all()
+    got = to_numpy(mask.empty_rows(T, S))
+    np.testing.assert_array_equal(np.broadcast_to(got, (B, 1, T))[:, 0], expected)
+
+
 def test_empty_rows_is_none_when_nothing_is_masked():
     assert masks.AttentionMask().empty_rows(T, S) is None
     assert not to_numpy(masks.AttentionMask(causal=True).empty_rows(T, S)).any()
+
+
+def test_describe_carries_segment_ids_and_merge_masks_builds_them(rng):
+    """`describe` keeps the ids (the keys' default to the queries'); `merge_masks`
+    gives the same block-diagonal mask, densely."""
+    ids = np.array([[1, 1, 2, 2, 2, 0, 0], [4, 4, 4, 4, 1, 1, 1]], "int32")
+    mask = masks.describe(segment_ids=ids)
+    assert not mask.is_empty
+    assert mask.key_segments is mask.query_segments
+    expected = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] != 0)
+    np.testing.assert_array_equal(to_numpy(mask.block(0, 7, 0, 7))[:, 0], expected)
+    dense = masks.merge_masks(7, 7, segment_ids=ids, use_causal_mask=True)
+    np.testing.assert_array_equal(to_numpy(dense), expected & np.tri(7, dtype=bool))
+    keys = np.array([[1, 2, 0], [1, 1, 4]], "int32")
+    cross = masks.describe(segment_ids=ids, key_segment_ids=keys)
+    expected = (ids[:, :, None] == keys[:, None, :]) & (ids[:, :, None] != 0)
+    np.testing.assert_array_equal(to_numpy(cross.block(0, 7, 0, 3))[:, 0], expected)

@@ -11,7 +11,7 @@ import os
 
 import keras
 import numpy as np
-from helpers import call
+from helpers import call, gradients, to_numpy
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from keras import ops
@@ -349,3 +349,61 @@ def test_reference_agrees_with_the_builtin_layer():
     np.testing.assert_allclose(
         ops.convert_to_numpy(output)[rows], expected[rows], rtol=RTOL, atol=ATOL
     )
+
+
+# -------------------------------------------------------------------- packed rows
+PACKED_DIM = 8
+
+
+@settings(PROFILE, max_examples=min(PROFILE.max_examples, 5))
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    padding=st.integers(0, 3),
+    implementation=st.sampled_from(["explicit", "fused", "chunked"]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_documents_get_their_own_row_outputs_and_gradients(
+    lengths, padding, implementation, causal, seed
+):
+    """Random document lengths packed into one row (then padding, id 0): each
+    document's outputs and input gradients are those it gets alone; the weights'
+    gradients are the sum over the documents alone."""
+    rng = np.random.default_rng(seed)
+    keras.utils.set_random_seed(seed)
+    layer = MultiHeadAttention(
+        4,
+        4,
+        implementation=implementation,
+        chunk_size=3,
+        rope_max_wavelength=30.0,
+        num_key_value_heads=2,
+        normalize_qk=True,
+    )
+    total = sum(lengths) + padding
+    layer.build((1, total, PACKED_DIM), (1, total, PACKED_DIM))
+    x = rng.standard_normal((1, total, PACKED_DIM)).astype("float32")
+    w = rng.standard_normal((1, total, PACKED_DIM)).astype("float32")
+    w[:, sum(lengths) :] = 0.0
+    ids = np.zeros((1, total), "int32")
+    spans = np.cumsum([0] + lengths)
+    for i, (start, end) in enumerate(zip(spans[:-1], spans[1:])):
+        ids[0, start:end] = i + 1
+
+    def run(inputs, weights, **kwargs):
+        loss = lambda y: ops.sum(y * ops.convert_to_tensor(weights))  # noqa: E731
+        out = to_numpy(layer(inputs, inputs, use_causal_mask=causal, **kwargs))
+        _, grads, weight_grads = gradients(
+            layer, {"query": inputs, "value": inputs}, loss, use_causal_mask=causal, **kwargs
+        )
+        return out, grads["query"] + grads["value"], weight_grads
+
+    packed, packed_grads, packed_weight_grads = run(x, w, segment_ids=ids)
+    summed = [np.zeros_like(g) for g in packed_weight_grads]
+    for start, end in zip(spans[:-1], spans[1:]):
+        alone, grads, weight_grads = run(x[:, start:end], w[:, start:end])
+        np.testing.assert_allclose(packed[:, start:end], alone, rtol=RTOL, atol=3e-5)
+        np.testing.assert_allclose(packed_grads[:, start:end], grads, rtol=RTOL, atol=3e-5)
+        summed = [a + b for a, b in zip(summed, weight_grads)]
+    for got, want in zip(packed_weight_grads, summed):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-4)

@@ -150,15 +150,26 @@ class _Plan:
             # growing the heap by every chunk's new, larger size.
             chunks = chunks[::-1]
         plan = cls(chunks, (), key_length, query_length, chunk_size, in_flight, loop, dynamic, mask)
-        ranges = tuple(plan.key_range(start, size) for start, size in chunks)
+        eager = not loop and _concrete(query)
+        ranges = tuple(plan.key_range(start, size, eager) for start, size in chunks)
         return dataclasses.replace(plan, ranges=ranges)
 
-    def key_range(self, start, size):
+    def key_range(self, start, size, eager=False):
         """`(lo, hi)` of the keys queries `[start, start + size)` see; `hi` `None` for
-        an unknown `S`. A static loop's chunks see every key."""
+        an unknown `S`. A static loop's chunks see every key.
+
+        Where the tensors hold data (`eager`: unrolled chunks run eagerly) or the
+        loop takes ranges that change from chunk to chunk (`dynamic`), the range is
+        narrowed at run time by the key padding and the document ids
+        (`AttentionMask.visible_keys`): Python ints eagerly, tensors in the loop."""
         if self.mask is None or (self.loop and not self.dynamic):
             return 0, self.key_length
-        return self.mask.key_range(start, size, self.key_length)
+        if not (eager or self.dynamic) or not self.mask.data_dependent:
+            return self.mask.key_range(start, size, self.key_length)
+        lo, hi = self.mask.visible_keys(start, size, self.key_length)
+        if eager:
+            return int(ops.convert_to_numpy(lo)), int(ops.convert_to_numpy(hi))
+        return lo, hi
 
     def concat(self, parts):
         """The chunks' parts, in the order the chunks were visited, along the queries."""
@@ -564,6 +575,24 @@ class _KeySum:
 
 
 # ------------------------------------------------------------------------- helpers
+def _concrete(x):
+    """Whether `x` holds data now (eager execution, not a trace or an export)."""
+    name = backend.backend()
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly()
+    if name == "jax":
+        import jax
+
+        return not isinstance(x, jax.core.Tracer)
+    if name == "torch":
+        import torch
+
+        return not (torch.compiler.is_compiling() or torch.compiler.is_exporting())
+    return False
+
+
 def _static(dim):
     return dim if isinstance(dim, int) else None
 

@@ -4,9 +4,10 @@
 The kernel takes one mask or bias tensor. A mask it can take as it is, it gets whole:
 none, causality alone (`is_causal`), key padding, the user's dense mask, a bias. A mask
 that would have to be built over the whole `(T, S)` (causality or a window together
-with padding, a decoding offset given as a tensor) is built one chunk of queries at a
-time instead, and the kernel runs on each chunk against the keys it can see: no
-`(T, S)` tensor, and a causal call skips the keys after each chunk's last query.
+with padding, a decoding offset given as a tensor, packed rows' document ids) is built
+one chunk of queries at a time instead, and the kernel runs on each chunk against the
+keys it can see: no `(T, S)` tensor, and a causal call skips the keys after each
+chunk's last query.
 
 Padded queries, and rows left with no key, are zeroed after the kernel, which never
 sees an all-masked row (some kernels turn one into NaN).
@@ -44,6 +45,8 @@ def _takes_whole(mask, bias):
     """Whether the kernel takes the mask as it is, with no `(T, S)` tensor built."""
     if mask is None:
         return True
+    if mask.query_segments is not None:  # block-diagonal: built per chunk
+        return False
     if mask.window is not None or (mask.causal and mask.static_offset != 0):
         return False
     if mask.causal:  # `is_causal` takes no other mask or bias

@@ -1,0 +1,274 @@
+"""Packed sequences: a causal train step over documents of long-tailed lengths.
+
+Documents with lognormal lengths (median 300 tokens, capped at 4096, about 64k tokens
+in all, a fixed seed) go through one attention layer's train step
+(`train_on_batch` of a functional model, dim 256, 4 heads, causal), four ways:
+
+- `ours packed`: `keras_mha.MultiHeadAttention` on rows of T=4096 packed by
+  `keras_mha.packing.pack`, with `segment_ids` (one row per step);
+- `builtin padded`: `keras.layers.MultiHeadAttention`, batches of 8 documents padded
+  to their longest, with a padding mask;
+- `builtin packed dense`: the built-in on the same packed rows, with a dense
+  block-diagonal causal `attention_mask` `(1, T, T)`;
+- `ours one by one`: ours on each document alone (B=1, its own length).
+
+Each way runs in a fresh process per backend: a warm-up pass over all its steps (every
+shape compiled), then a timed pass. Reported: real (non-padding) tokens per second
+and the growth of peak RSS over the process's baseline after the warm-up's first step
+(`ru_maxrss`; on a GPU, the backend's peak device memory where it reports one). The
+targets (issue 31): ours packed >= 2x the built-in padded in tokens/s, peak memory
+<= 0.1x the built-in packed dense, and ours packed within 1.3x the time of ours one
+by one.
+
+    .venv/bin/python benchmarks/packed.py                  # every backend, writes results
+    .venv/bin/python benchmarks/packed.py --dry-run        # toy sizes, checks it runs
+    .venv/bin/python benchmarks/packed.py --backends jax
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+BACKENDS = ("tensorflow", "jax", "torch")
+WAYS = ("ours packed", "builtin padded", "builtin packed dense", "ours one by one")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+FULL = dict(tokens=65_536, median=300, cap=4096, length=4096, dim=256, heads=4, batch=8)
+TOY = dict(tokens=2_048, median=30, cap=256, length=256, dim=32, heads=2, batch=4)
+
+
+def document_lengths(tokens, median, cap, seed=0):
+    """Lognormal lengths (sigma 1) of median `median`, capped, summing to ~`tokens`."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(int(min(cap, max(2, round(rng.lognormal(np.log(median), 1.0))))))
+    return lengths
+
+
+def _steps(way, sizes):
+    """The train steps of one way: a list of `(inputs, weights)` NumPy pairs, and the
+    real tokens they hold."""
+    import numpy as np
+
+    from keras_mha import packing
+
+    rng = np.random.default_rng(1)
+    lengths = document_lengths(sizes["tokens"], sizes["median"], sizes["cap"])
+    documents = [rng.standard_normal((n, sizes["dim"])).astype("float32") for n in lengths]
+    steps = []
+    if way in ("ours packed", "builtin packed dense"):
+        rows = packing.pack([np.arange(n) for n in lengths], sizes["length"])
+        placed = _place(documents, rows, sizes)
+        for x, ids in placed:
+            if way == "ours packed":
+                steps.append(([x, ids], ids > 0))
+            else:
+                same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0)
+                allowed = same & np.tri(ids.shape[1], dtype=bool)[None]
+                steps.append(([x, allowed], ids > 0))
+    elif way == "builtin padded":
+        for i in range(0, len(documents), sizes["batch"]):
+            group = documents[i : i + sizes["batch"]]
+            longest = max(len(d) for d in group)
+            x = np.zeros((len(group), longest, sizes["dim"]), "float32")
+            valid = np.zeros((len(group), longest), bool)
+            for j, d in enumerate(group):
+                x[j, : len(d)], valid[j, : len(d)] = d, True
+            steps.append(([x, valid], valid))
+    else:  # one by one
+        for d in documents:
+            steps.append(([d[None]], np.ones((1, len(d)), bool)))
+    return steps, sum(lengths)
+
+
+def _place(documents, rows, sizes):
+    """Rows of embeddings laid out as `pack` laid out the token ids (each document's
+    positions 0..n-1 stand for its rows of `documents`)."""
+    import numpy as np
+
+    by_length = {}
+    for d in documents:
+        by_length.setdefault(len(d), []).append(d)
+    placed = []
+    for ids in rows["segment_ids"]:
+        x = np.zeros((sizes["length"], sizes["dim"]), "float32")
+        for i in range(1, ids.max() + 1):
+            where = np.flatnonzero(ids == i)
+            x[where] = by_length[len(where)].pop()
+        placed.append((x[None], ids[None]))
+    return placed
+
+
+def _model(way, sizes):
+    """A functional model of one attention layer, causal, as the way calls it."""
+    import keras
+
+    import keras_mha
+
+    dim, heads = sizes["dim"], sizes["heads"]
+    x = keras.Input((None, dim))
+    if way in ("ours packed", "ours one by one"):
+        layer = keras_mha.MultiHeadAttention(heads, dim // heads)
+        if way == "ours packed":
+            ids = keras.Input((None,), dtype="int32")
+            return keras.Model([x, ids], layer(x, x, segment_ids=ids, use_causal_mask=True))
+        return keras.Model(x, layer(x, x, use_causal_mask=True))
+    layer = keras.layers.MultiHeadAttention(heads, dim // heads)
+    if way == "builtin padded":
+        valid = keras.Input((None,), dtype="bool")
+        out = layer(x, x, query_mask=valid, value_mask=valid, use_causal_mask=True)
+        return keras.Model([x, valid], out)
+    mask = keras.Input((None, None), dtype="bool")
+    return keras.Model([x, mask], layer(x, x, attention_mask=mask))
+
+
+def _peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _device_peak_mib():
+    """The backend's peak device memory in MiB, where it reports one (GPUs)."""
+    import keras
+
+    name = keras.backend.backend()
+    try:
+        if name == "torch":
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.max_memory_allocated() / 2**20
+        elif name == "jax":
+            import jax
+
+            stats = jax.devices()[0].memory_stats() or {}
+            if "peak_bytes_in_use" in stats:
+                return stats["peak_bytes_in_use"] / 2**20
+        elif name == "tensorflow":
+            import tensorflow as tf
+
+            if tf.config.list_physical_devices("GPU"):
+                return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    except Exception:  # noqa: BLE001 - a backend without the counter reports none
+        return None
+    return None
+
+
+def measure(way, sizes):
+    """One way's tokens/s and peak memory growth, in this process."""
+    import keras
+    import numpy as np
+
+    steps, tokens = _steps(way, sizes)
+    model = _model(way, sizes)
+    model.compile(optimizer="sgd", loss="mse")
+    targets = [np.zeros(inputs[0].shape, "float32") for inputs, _ in steps]
+    first_inputs, first_weights = steps[0]
+    model.train_on_batch(first_inputs, targets[0], sample_weight=first_weights)
+    baseline = _peak_mib()
+    for (inputs, weights), target in zip(steps, targets):  # warm-up: every shape
+        model.train_on_batch(inputs, target, sample_weight=weights)
+    start = time.perf_counter()
+    for (inputs, weights), target in zip(steps, targets):
+        model.train_on_batch(inputs, target, sample_weight=weights)
+    seconds = time.perf_counter() - start
+    return {
+        "way": way,
+        "backend": keras.backend.backend(),
+        "steps": len(steps),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "peak_growth_mib": _peak_mib() - baseline,
+        "device_peak_mib": _device_peak_mib(),
+    }
+
+
+def _run_child(backend, way, sizes):
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    command = [sys.executable, __file__, "--child", way, "--sizes", json.dumps(sizes)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        return {"way": way, "backend": backend, "error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report(records):
+    """The markdown table of every backend, with the issue's three ratios."""
+    lines = [
+        "| backend | way | steps | tokens/s | peak RSS growth (MiB) | device peak (MiB) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    by = {}
+    for r in records:
+        by[(r["backend"], r["way"])] = r
+        if "error" in r:
+            lines.append(f"| {r['backend']} | {r['way']} | failed | | | |")
+            continue
+        device = "" if r["device_peak_mib"] is None else f"{r['device_peak_mib']:.0f}"
+        lines.append(
+            f"| {r['backend']} | {r['way']} | {r['steps']} | {r['tokens_per_s']:,.0f} "
+            f"| {r['peak_growth_mib']:.0f} | {device} |"
+        )
+    lines += [
+        "",
+        "| backend | ours packed / builtin padded, tokens/s (>= 2) "
+        "| ours packed / builtin packed dense, memory (<= 0.1) "
+        "| ours packed / one by one, time (<= 1.3) |",
+        "|---|---:|---:|---:|",
+    ]
+    for backend in sorted({r["backend"] for r in records}):
+        ours, padded, dense, alone = (by.get((backend, way), {}) for way in WAYS)
+        if any("error" in r or not r for r in (ours, padded, dense, alone)):
+            lines.append(f"| {backend} | n/a | n/a | n/a |")
+            continue
+        memory = "peak_growth_mib" if ours["device_peak_mib"] is None else "device_peak_mib"
+        lines.append(
+            f"| {backend} | {ours['tokens_per_s'] / padded['tokens_per_s']:.2f}x "
+            f"| {ours[memory] / max(dense[memory], 1e-9):.3f}x "
+            f"| {ours['seconds'] / alone['seconds']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--dry-run", action="store_true", help="toy sizes; writes nothing")
+    parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.child, json.loads(args.sizes))))
+        return 0
+    sizes = TOY if args.dry_run else FULL
+    records = [_run_child(b, way, sizes) for b in args.backends for way in WAYS]
+    table = report(records)
+    print(table)
+    failed = [r for r in records if "error" in r]
+    for r in failed:
+        print(f"{r['backend']} / {r['way']} failed:\n{r['error']}", file=sys.stderr)
+    if not args.dry_run:
+        meta = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.platform(),
+            "sizes": sizes,
+        }
+        with open(os.path.join(RESULTS, "packed.json"), "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+        with open(os.path.join(RESULTS, "packed.md"), "w") as f:
+            f.write(f"Packed sequences, {meta['date']}, {meta['machine']}\n\n{table}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
