@@ -154,6 +154,7 @@ def swap(model):
         path = os.path.join(tmp, "model.keras")
         model.save(path)
         result = load_swapped(path, safe_mode=False)  # our own copy of the user's object
+    _keep_trainable(model, result)
     rows = swap_report(model, result)
     if not any(row["status"] in (SWAPPED, REBUILT) for row in rows):
         raise ValueError(
@@ -162,6 +163,29 @@ def swap(model):
             f"({describe(rows)})"
         )
     return result
+
+
+def _keep_trainable(original, result):
+    """Gives each layer of `result` its counterpart's `trainable` in `original`.
+
+    Keras's `.keras` round trip can lose a `trainable=False` (on JAX, keras-hub's
+    Whisper comes back with its frozen encoder position embedding trainable). Layers
+    are paired child by child, attention layers excepted (their sublayers differ); a
+    subtree whose children do not pair up is left as loaded.
+    """
+    if original.trainable != result.trainable:
+        result.trainable = original.trainable
+    if isinstance(original, BUILTIN | layer_lib.MultiHeadAttention):
+        return
+    before = original._flatten_layers(include_self=False, recursive=False)
+    after = result._flatten_layers(include_self=False, recursive=False)
+    if len(before) != len(after):
+        return
+    for old, new in zip(before, after):
+        if type(old).__name__ == type(new).__name__ or isinstance(
+            new, layer_lib.MultiHeadAttention
+        ):
+            _keep_trainable(old, new)
 
 
 def load_swapped(filepath, **kwargs):
