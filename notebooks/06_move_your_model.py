@@ -147,8 +147,8 @@ print(type(block.att))
 # `Embedding(mask_zero=True)`) and writes the swapped file; `--import` names the module that
 # registers the custom layers. `keras-mha compare --model` compares outputs and weight
 # gradients on both kinds of inputs and times predict and train steps on each installed
-# backend, each in its own process, with the peak memory of each model. Exit status: 0 within tolerance,
-# 1 above, 2 on a usage error. (`python -m keras_mha` is the same command.)
+# backend, each in its own process, with the peak memory of each model. Exit status: 0
+# within tolerance, 1 above, 2 on a usage error. (`python -m keras_mha` is the same command.)
 
 
 # %%
