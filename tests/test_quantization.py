@@ -38,7 +38,7 @@ def _weights(layer):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_quantize_gives_the_quantized_builtin(mode, rng):
+def test_quantize_gives_the_quantized_builtin_and_its_config_rebuilds_it(mode, rng):
     ours, builtin, (ours_model, builtin_model) = _pair_in_models()
     q, v = random_inputs(rng, (B, T, DIM), (B, S, DIM))
     full = to_numpy(ours_model([q, v]))
@@ -58,6 +58,7 @@ def test_quantize_gives_the_quantized_builtin(mode, rng):
     # Quantized for real: close to the float outputs, not equal to them.
     error = np.abs(quantized - full).max() / np.abs(full).max()
     assert 0 < error < 0.2, error
+    _assert_config_rebuilds_quantized(ours, mode, q, v)
 
 
 def _quantized_pair(mode):
@@ -98,10 +99,8 @@ def test_dtype_policy_map_quantizes_the_named_projections_at_build(rng):
     assert np.abs(expected).max() > 0
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_get_config_rebuilds_quantized_projections(mode, rng):
-    q, v = random_inputs(rng, (B, T, DIM), (B, S, DIM))
-    ours, _ = _quantized_pair(mode)
+def _assert_config_rebuilds_quantized(ours, mode, q, v):
+    """`get_config` -> `from_config` rebuilds the projections quantized (`mode`)."""
     expected = to_numpy(ours(q, v))
 
     config = json.loads(json.dumps(ours.get_config()))  # plain data only
