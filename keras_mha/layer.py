@@ -860,7 +860,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         seed = None
         if self._dropout > 0.0 and training:
             seed = self._dropout_layer.seed_generator.next()
-        return kernels.attention(
+        output, scores = kernels.attention(
             query,
             key,
             value,
@@ -880,13 +880,17 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             implementation=self._implementation or ("fused" if self._flash_attention else None),
             chunk_size=self._chunk_size,
             flash=self._flash_attention,
-            fully_masked=self._fully_masked(return_attention_scores),
         )
+        if mask is not None and len(query.shape) == 4:
+            if self._fully_masked(return_attention_scores) == "mean":
+                output = kernels.mean_where_empty(output, value, mask)
+        return output, scores
 
     def _fully_masked(self, return_attention_scores):
-        """`kernels.attention`'s `fully_masked` for a call: "mean" where the built-in's
-        call would run `ops.dot_product_attention` (no attention dropout, no scores, one
-        attention axis; it has no sinks), with `fully_masked_rows="builtin"`."""
+        """What a row with no visible key gets in this call: "mean" (the values' mean,
+        `kernels.mean_where_empty`) where the built-in's call would run
+        `ops.dot_product_attention` (no attention dropout, no scores, one attention
+        axis; it has no sinks), with `fully_masked_rows="builtin"`; else "zero"."""
         builtin_fused_path = (
             self._dropout == 0.0
             and not return_attention_scores

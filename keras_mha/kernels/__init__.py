@@ -10,9 +10,9 @@
 
 All three share the arithmetic of `logits.py` (float32 softmax, a row with no keys
 gets zero weights, the same dropout mask for the same seed). Which one runs, and with
-what chunk size, is decided in one place: `policy.py`. A row with no keys may instead
-get the mean of the values (`fully_masked="mean"`: what `keras.ops.dot_product_attention`
-gives it), for every kernel alike, here.
+what chunk size, is decided in one place: `policy.py`. `mean_where_empty` gives a row
+with no keys the mean of the values instead (what `keras.ops.dot_product_attention` gives
+it), whichever kernel ran.
 """
 
 from keras import ops
@@ -38,7 +38,6 @@ def attention(
     implementation=None,
     chunk_size=None,
     flash=None,
-    fully_masked="zero",
 ):
     """`softmax(q k^T * scale + ..., masked) v` on projected heads.
 
@@ -58,66 +57,11 @@ def attention(
         implementation: `None`/"auto" or one of `IMPLEMENTATIONS`.
         chunk_size: query rows per chunk; `None` for the policy's.
         flash: the layer's `flash_attention`, for the fused kernel.
-        fully_masked: what a query row with no visible key gets: "zero" weights (a
-            zero output), or "mean": uniform weights over all `S` keys, the mean of
-            the values, as `keras.ops.dot_product_attention` gives it (rank-4 calls;
-            returned scores stay those of "zero").
 
     Returns:
         `(output, scores)`: output like the query with `Hv` channels in the value's
         dtype, scores `(B, N, T, S)` or `None` when not requested.
     """
-    output, scores = _attention(
-        query,
-        key,
-        value,
-        scale=scale,
-        equations=equations,
-        mask=mask,
-        bias=bias,
-        soft_cap=soft_cap,
-        sinks=sinks,
-        dropout=dropout,
-        seed=seed,
-        return_scores=return_scores,
-        implementation=implementation,
-        chunk_size=chunk_size,
-        flash=flash,
-    )
-    if fully_masked == "mean" and mask is not None and len(query.shape) == 4:
-        output = _mean_where_empty(output, value, mask)
-    return output, scores
-
-
-def _mean_where_empty(output, value, mask):
-    """`output` `(B, T, N, Hv)` whose rows that see no key become the values' mean."""
-    empty = mask.empty_rows(ops.shape(output)[1], ops.shape(value)[1])
-    if empty is None:
-        return output
-    mean = ops.mean(ops.cast(value, "float32"), axis=1, keepdims=True)  # (B, 1, N, Hv)
-    empty = ops.transpose(empty, (0, 2, 1))[..., None]  # (B, T, N or 1, 1)
-    return ops.where(empty, ops.cast(mean, output.dtype), output)
-
-
-def _attention(
-    query,
-    key,
-    value,
-    *,
-    scale,
-    equations,
-    mask,
-    bias,
-    soft_cap,
-    sinks,
-    dropout,
-    seed,
-    return_scores,
-    implementation,
-    chunk_size,
-    flash,
-):
-    """The chosen kernel on the call (`attention`'s arguments)."""
     dropping = seed is not None and dropout > 0.0
     rules = policy.current()
     call = policy.Call(
@@ -178,6 +122,19 @@ def _attention(
     return output, None
 
 
+def mean_where_empty(output, value, mask):
+    """`output` `(B, T, N, Hv)` of a rank-4 call, each row that `mask` (an
+    `AttentionMask`) leaves without a key replaced by the mean of `value`
+    `(B, S, N, Hv)` over all `S` keys: uniform weights, as
+    `keras.ops.dot_product_attention` gives such a row."""
+    empty = mask.empty_rows(ops.shape(output)[1], ops.shape(value)[1])
+    if empty is None:
+        return output
+    mean = ops.mean(ops.cast(value, "float32"), axis=1, keepdims=True)  # (B, 1, N, Hv)
+    empty = ops.transpose(empty, (0, 2, 1))[..., None]  # (B, T, N or 1, 1)
+    return ops.where(empty, ops.cast(mean, output.dtype), output)
+
+
 def _score_entries(query, key):
     """`B x N x T x S` of `(B, T, N, H)` query and `(B, S, N, H)` key, or `None` when a
     size is unknown while tracing (symbolic sizes included)."""
@@ -189,4 +146,12 @@ def _score_entries(query, key):
     return sizes[0] * sizes[1] * sizes[2] * sizes[3]
 
 
-__all__ = ["IMPLEMENTATIONS", "attention", "chunked", "explicit", "fused", "policy"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "attention",
+    "chunked",
+    "explicit",
+    "fused",
+    "mean_where_empty",
+    "policy",
+]
