@@ -12,12 +12,13 @@ All three share the arithmetic of `logits.py` (float32 softmax, a row with no ke
 gets zero weights, the same dropout mask for the same seed). Which one runs, and with
 what chunk size, is decided in one place: `policy.py`. `mean_where_empty` gives a row
 with no keys the mean of the values instead (what `keras.ops.dot_product_attention` gives
-it), whichever kernel ran.
+it), whichever kernel ran. Where the masks hold data (eager calls), padded tails are cut
+off before any kernel runs (`trim.py`).
 """
 
 from keras import ops
 
-from keras_mha.kernels import chunked, explicit, fused, policy
+from keras_mha.kernels import chunked, explicit, fused, policy, trim
 from keras_mha.kernels.policy import IMPLEMENTATIONS
 
 
@@ -63,6 +64,24 @@ def attention(
         dtype, scores `(B, N, T, S)` or `None` when not requested.
     """
     dropping = seed is not None and dropout > 0.0
+    cut = None if return_scores else trim.cut(query, key, mask, dropout=dropping)
+    if cut is not None:
+        kept_query, kept_key, kept_value, kept_bias = cut.inputs(query, key, value, bias)
+        output, _ = attention(
+            kept_query,
+            kept_key,
+            kept_value,
+            scale=scale,
+            equations=equations,
+            mask=None if cut.mask.is_empty else cut.mask,
+            bias=kept_bias,
+            soft_cap=soft_cap,
+            sinks=sinks,
+            implementation=implementation,
+            chunk_size=chunk_size,
+            flash=flash,
+        )
+        return cut.output(output, query.shape[1]), None
     rules = policy.current()
     call = policy.Call(
         scores=return_scores,

@@ -1,0 +1,140 @@
+"""Padded tails cut off before a kernel runs, where the masks hold data.
+
+Padding sits at the end of a row (`Embedding(mask_zero=True)` on right-padded token
+ids, packed rows' trailing id 0). Where the tensors hold data (eager calls: torch's
+training and inference, any backend outside a compiled function), the queries after
+the last one that some batch row keeps, and the keys after the last one that some
+query may see, are cut off before the kernel runs; the output gets zero rows back for
+the cut queries (a padded query attends to nothing), and their gradients are zero.
+A padding mask that the cut leaves all True goes: a padded causal call of one row
+becomes a plain causal call, which the backends' fused kernels take with `is_causal`
+and their own causal block skipping.
+
+Compiled calls (a traced graph, `jax.jit`, an export) keep their static shapes; the
+chunked kernel skips blocks at run time there itself.
+"""
+
+import dataclasses
+
+from keras import backend, ops
+
+from keras_mha import masks as masks_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """Where a call is cut: its first `queries` queries against its first `keys`
+    keys, under `mask` (the call's mask over that block, all-True factors dropped)."""
+
+    queries: int
+    keys: int
+    mask: object
+
+    def inputs(self, query, key, value, bias):
+        """The call's tensors over the kept block."""
+        kept = (
+            masks_lib.slice_along(query, 1, 0, self.queries),
+            masks_lib.slice_along(key, 1, 0, self.keys),
+            masks_lib.slice_along(value, 1, 0, self.keys),
+        )
+        if bias is not None:
+            bias = masks_lib.block_of(_rank4(bias), 0, self.queries, 0, self.keys)
+        return kept + (bias,)
+
+    def output(self, output, query_length):
+        """`output` `(B, queries, N, Hv)` with zero rows for the cut queries."""
+        if self.queries == query_length:
+            return output
+        return ops.pad(output, [(0, 0), (0, query_length - self.queries), (0, 0), (0, 0)])
+
+
+def cut(query, key, mask, *, dropout):
+    """A `Cut` of a rank-4 call `(B, T, N, H)` x `(B, S, N, H)` under `mask` (an
+    `AttentionMask`), or `None` where nothing is cut or the masks hold no data.
+
+    Not with attention dropout: its mask is a hash of each weight's position in the
+    whole `(T, S)`, which a cut call would number differently from a compiled one.
+    """
+    if mask is None or dropout or len(query.shape) != 4 or not _holds_data(query):
+        return None
+    query_length, key_length = query.shape[1], key.shape[1]
+    offset = mask.static_offset
+    if not (isinstance(query_length, int) and isinstance(key_length, int)) or offset is None:
+        return None
+    queries = _kept(query_length, mask.query_valid, mask.query_segments)
+    keys = _kept(key_length, mask.key_valid, mask.key_segments)
+    if mask.causal:
+        keys = min(keys, queries + offset)
+    if mask.window is not None:
+        keys = min(keys, queries - 1 + offset + mask.window)
+    if queries <= 0 or keys <= 0:
+        return None  # no query sees a key: the kernels' own empty rows
+    kept = dataclasses.replace(
+        mask,
+        query_valid=_padding(mask.query_valid, queries),
+        key_valid=_padding(mask.key_valid, keys),
+        dense=None if mask.dense is None else masks_lib.block_of(mask.dense, 0, queries, 0, keys),
+        query_segments=_ids(mask.query_segments, queries),
+        key_segments=_ids(mask.key_segments, keys),
+    )
+    dropped = (mask.query_valid is not None and kept.query_valid is None) or (
+        mask.key_valid is not None and kept.key_valid is None
+    )
+    if (queries, keys) == (query_length, key_length) and not dropped:
+        return None
+    return Cut(queries, keys, kept)
+
+
+def _kept(length, valid, segments):
+    """How many leading positions some batch row keeps: up to the last one whose
+    padding is True and whose document id is not 0."""
+    kept = None
+    if valid is not None and valid.shape[1] == length and length != 1:
+        kept = masks_lib.as_bool(valid)
+    if segments is not None:
+        kept = masks_lib.logical_and(kept, ops.not_equal(segments, 0))
+    if kept is None:
+        return length
+    positions = ops.arange(1, length + 1, dtype="int32")
+    return int(ops.max(ops.where(ops.any(kept, axis=0), positions, 0)))
+
+
+def _padding(valid, length):
+    """A `(B, L)` padding mask cut to `length` positions; `None` where it keeps every one."""
+    if valid is None:
+        return None
+    if valid.shape[1] != 1:
+        valid = masks_lib.slice_along(valid, 1, 0, length)
+    return None if bool(ops.all(masks_lib.as_bool(valid))) else valid
+
+
+def _ids(segments, length):
+    return None if segments is None else masks_lib.slice_along(segments, 1, 0, length)
+
+
+def _holds_data(x):
+    """Whether `x` holds data now: an eager call, not a trace, an export or the
+    shape inference of a symbolic call."""
+    name = backend.backend()
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly()
+    if name == "jax":
+        import jax
+
+        return not isinstance(x, jax.core.Tracer)
+    if name == "torch":
+        import torch
+
+        compiling = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        device = getattr(x, "device", None)  # NumPy arrays name theirs as a string
+        return not compiling and getattr(device, "type", device) != "meta"
+    return False
+
+
+def _rank4(bias):
+    bias = ops.convert_to_tensor(bias)
+    while len(bias.shape) < 4:
+        bias = ops.expand_dims(bias, 0)
+    return bias
