@@ -111,7 +111,8 @@ def _device(name):
 def dynamic_loop(policy):
     """The policy's `dynamic`, unless XLA compiles the graph being traced (TensorFlow's
     `jit_compile=True`, Keras's default there with a GPU): XLA's shapes are static,
-    so the loop's chunks then see every key, as on JAX."""
+    so the loop's chunks then visit their keys by blocks (`Policy.key_block`), as on
+    JAX."""
     if not policy.dynamic:
         return False
     if backend.backend() == "tensorflow":
