@@ -377,23 +377,39 @@ def test_static_loop_never_touches_a_skipped_block(rng):
     """Keys no query sees (padding in every batch row) hold NaN, and so do the
     queries of a chunk of padding: compiled (`jax.jit`, TensorFlow with XLA), the
     static loop never visits them, so outputs and gradients stay finite and equal
-    the explicit kernel's with zeros there. A loop over every key gives NaN."""
+    the explicit kernel's with zeros there, every logit feature and dropout on. A
+    loop over every key gives NaN."""
     t, s = 16, 16
     q, k, v = _inputs(rng, t, s)
+    bias = rng.standard_normal((1, N, t, s)).astype("float32")
+    sinks = rng.standard_normal((N,)).astype("float32")
     valid = np.ones((B, s), bool)
     valid[:, 8:] = False
     mask = masks.AttentionMask(causal=True, key_valid=valid, query_valid=valid)
-    expected, expected_grads = value_and_grads(_run("explicit", mask), (q, k, v))
+    seed = ops.convert_to_tensor(np.array([5, 9]), "int32")
+    options = dict(soft_cap=2.0, dropout=0.3, seed=seed)
+    explicit_run = _run("explicit", mask, ("bias", "sinks"), **options)
+    expected, expected_grads = value_and_grads(explicit_run, (q, k, v, bias, sinks))
     q[:, 12:], k[:, 8:], v[:, 8:] = np.nan, np.nan, np.nan
 
     def fn(q, k, v):
         return chunked.attention(
-            q, k, v, scale=H**-0.5, mask=_tensorize(mask), chunk_size=4, key_block=4, loop=True
+            q,
+            k,
+            v,
+            scale=H**-0.5,
+            mask=_tensorize(mask),
+            bias=bias,
+            sinks=sinks,
+            chunk_size=4,
+            key_block=4,
+            loop=True,
+            **options,
         )
 
     out, grads = _compiled_value_and_grads(fn, (q, k, v), "xla")
     np.testing.assert_allclose(out, expected, atol=ATOL)
-    for got, want in zip(grads, expected_grads):
+    for got, want in zip(grads, expected_grads[:3]):
         np.testing.assert_allclose(got, want, atol=ATOL)
 
 
