@@ -168,7 +168,8 @@ class _Plan:
 
     def key_range(self, start, size, eager=False):
         """`(lo, hi)` of the keys queries `[start, start + size)` see; `hi` `None` for
-        an unknown `S`. A static loop's chunks see every key.
+        an unknown `S`. A static loop's chunks see every key (where `S` is known they
+        visit their key blocks instead: `key_blocks`).
 
         Where the tensors hold data (`eager`: unrolled chunks run eagerly) or the
         loop takes ranges that change from chunk to chunk (`dynamic`), the range is
@@ -324,12 +325,13 @@ def _forward_chunk(block):
 
 
 def _forward_blocks(plan, inputs, start, size):
-    """`(output, logsumexp)` of one chunk of a static loop, like `_forward_chunk`,
-    over its visible key blocks only (`_Plan.key_blocks`), in a loop whose trip count
-    is known at run time: FlashAttention's online softmax, a running row maximum
-    `peak`, sum of weights `total` and weighted sum of values `acc` rescaled as the
-    maximum grows. A sink starts the row (`peak` its logit, `total` 1); a chunk with
-    no block gives zero output and `logits.NO_KEYS` (no sink), as a row with no key.
+    """`(output, logsumexp)` of one chunk of a static loop, `(B, N, size, Hv)` and
+    `(B, N, size, 1)` float32 like `_forward_chunk`'s, over its visible key blocks
+    only (`_Plan.key_blocks`), in a loop whose trip count is known at run time:
+    FlashAttention's online softmax, a running row maximum `peak`, sum of weights
+    `total` and weighted sum of values `acc` rescaled as the maximum grows. A sink
+    starts the row (`peak` its logit, `total` 1); a chunk with no block gives zero
+    output and `logits.NO_KEYS` (no sink), as a row with no key.
     """
     lo, count = plan.key_blocks(start, size)
     shape = ops.shape(inputs.q)
