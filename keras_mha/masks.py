@@ -96,44 +96,73 @@ class AttentionMask:
 
     @property
     def data_dependent(self):
-        """Whether the keys a chunk may see depend on data (key padding, document
-        ids), known only at run time (`visible_keys`)."""
+        """Whether the keys a chunk may see depend on data (query or key padding,
+        document ids), known only at run time (`visible_keys`)."""
         keys = self.key_valid is not None and len(self.key_valid.shape) == 2
-        return keys or self.query_segments is not None
+        return keys or self._query_padding or self.query_segments is not None
+
+    @property
+    def _query_padding(self):
+        """A `(B, T)` query padding (not one broadcast along the queries)."""
+        rows = self.query_valid
+        return rows is not None and len(rows.shape) == 2 and rows.shape[1] != 1
 
     def visible_keys(self, query_start, query_size, key_length):
         """`(lo, hi)` like `key_range`, narrowed by every factor known only at run
         time: the keys that some query `[query_start, query_start + query_size)` of
-        some batch row may see by its key padding and document ids, as well as by
-        causality and the window. int32 scalar tensors; the range is never empty (a
-        chunk that sees no key gets one, masked), so a block always has a key.
+        some batch row may see by its query and key padding and document ids, as well
+        as by causality and the window. int32 scalar tensors; the range is never empty
+        (a chunk that sees no key, or has no valid query, gets one, masked), so a
+        block always has a key.
 
         A chunk of one document in packed rows sees only that document's keys: the
         cost of packed attention grows with the sum of squared document lengths.
         Needs a static `query_size` and `key_length` (else: `key_range`).
         """
-        lo, hi = self.key_range(query_start, query_size, key_length)
         if not self.data_dependent or query_size is None or key_length is None:
-            return lo, hi
+            return self.key_range(query_start, query_size, key_length)
+        lo, hi = self.visible_range(query_start, query_size, key_length)
+        lo = ops.minimum(lo, key_length - 1)
+        return lo, ops.maximum(hi, lo + 1)
+
+    def visible_range(self, query_start, query_size, key_length):
+        """`(lo, hi)` as int32 scalar tensors, like `visible_keys` but empty
+        (`hi == lo`) where no query of the chunk, in any batch row, may see a key:
+        a chunk whose queries are all padding, or whose documents' keys all lie
+        outside its causal or window range. The compiled loop visits the key
+        blocks of this range only (`chunked._Plan.key_blocks`).
+
+        Needs a static `query_size` and `key_length`.
+        """
+        lo, hi = (_int32(x) for x in self.key_range(query_start, query_size, key_length))
         visible = None  # (B, S): some query of the chunk, in that batch row, may see it
         if self.query_segments is not None:
             rows = slice_along(self.query_segments, 1, query_start, query_size)
             same = same_segment(rows, self.key_segments)  # (B, q, S)
             if self.query_valid is not None:
-                valid = slice_along(self.query_valid, 1, query_start, query_size)
-                same = ops.logical_and(same, valid[:, :, None])
+                same = ops.logical_and(same, self._valid_rows(query_start, query_size))
             visible = ops.any(same, axis=1)
         if self.key_valid is not None and len(self.key_valid.shape) == 2:
             visible = logical_and(visible, self.key_valid)
-        if visible is None:
-            return lo, hi
-        visible = ops.any(visible, axis=0)  # (S,), or (1,) from a (B, 1) padding
-        keys = ops.arange(key_length, dtype="int32")
-        first = ops.min(ops.where(visible, keys, key_length))
-        last = ops.max(ops.where(visible, keys, -1)) + 1
-        lo = ops.minimum(ops.maximum(first, lo), key_length - 1)
-        hi = ops.maximum(ops.minimum(last, hi), lo + 1)
-        return lo, hi
+        if visible is not None:
+            visible = ops.any(visible, axis=0)  # (S,), or (1,) from a (B, 1) padding
+            keys = ops.arange(key_length, dtype="int32")
+            first = ops.min(ops.where(visible, keys, key_length))
+            last = ops.max(ops.where(visible, keys, -1)) + 1
+            lo, hi = ops.maximum(first, lo), ops.minimum(last, hi)
+        if self.query_valid is not None and self.query_segments is None:
+            # A chunk none of whose queries is valid sees no key.
+            valid = ops.any(self._valid_rows(query_start, query_size))
+            hi = ops.where(valid, hi, lo)
+        return lo, ops.maximum(hi, lo)
+
+    def _valid_rows(self, query_start, query_size):
+        """`(B, q, 1)` query padding of the chunk (broadcast along the queries where
+        it is `(B, 1)`)."""
+        rows = self.query_valid
+        if self._query_padding:
+            rows = slice_along(rows, 1, query_start, query_size)
+        return rows[:, :, None]
 
     def block(self, query_start, query_size, key_start, key_size):
         """The mask of queries `[query_start, +query_size)` against keys
@@ -384,6 +413,13 @@ def expand_to_scores(mask, scores_rank, num_attention_axes):
     for _ in range(scores_rank - len(mask.shape)):
         mask = ops.expand_dims(mask, axis=axis)
     return mask
+
+
+def _int32(x):
+    """An int, or an integer scalar tensor, as an int32 scalar tensor."""
+    if ops.is_tensor(x):
+        return x if backend.standardize_dtype(x.dtype) == "int32" else ops.cast(x, "int32")
+    return ops.convert_to_tensor(x, "int32")
 
 
 def _minimum(a, b):

@@ -103,6 +103,11 @@ def _run(kernel, mask, extras=None, **options):
     """`fn(q, k, v, *extras)` running `kernel` with `options`."""
     extras = extras or ()
 
+    options = dict(options)
+    # The static loop's chunks by blocks of 4 keys unless told: several per chunk,
+    # the last one moved back where S is no multiple of 4.
+    key_block = options.pop("key_block", 4)
+
     def fn(q, k, v, *rest):
         named = dict(zip(extras, rest))
         kwargs = dict(scale=H**-0.5, mask=_tensorize(mask), **options, **named)
@@ -112,7 +117,9 @@ def _run(kernel, mask, extras=None, **options):
         if kernel == "fused":
             return fused.attention(q, k, v, chunk_size=4, **kwargs)
         loop, dynamic = kernel in ("looped", "dynamic"), kernel == "dynamic"
-        return chunked.attention(q, k, v, chunk_size=4, loop=loop, dynamic=dynamic, **kwargs)
+        return chunked.attention(
+            q, k, v, chunk_size=4, key_block=key_block, loop=loop, dynamic=dynamic, **kwargs
+        )
 
     return fn
 
@@ -303,6 +310,107 @@ def test_chunked_skips_keys_no_query_sees(rng, monkeypatch):
     q, k, v = _inputs(rng, 12, 12)
     chunked.attention(q, k, v, scale=0.5, mask=masks.AttentionMask(causal=True), chunk_size=4)
     assert widths == [12, 8, 4]  # the chunk with the most keys goes first
+
+
+def _skipping_mask(t, s):
+    """Causal, a window of 6, key padding, document ids, and queries from 8 on
+    padding in both batch rows: the chunks from query 8 see no key."""
+    query_valid = np.ones((B, t), bool)
+    query_valid[:, 8:] = False
+    return masks.AttentionMask(
+        causal=True,
+        window=6,
+        key_valid=_padding(s, s - 2),
+        query_valid=query_valid,
+        query_segments=_segment_ids(t),
+        key_segments=_segment_ids(s),
+    )
+
+
+@pytest.mark.parametrize(
+    "t, s, key_block",
+    [(13, 15, 4), (9, 6, 8)],  # S no multiple of the block; S below it
+)
+def test_static_loop_by_key_blocks_matches_explicit(rng, t, s, key_block):
+    """The static loop's chunks visit their visible key blocks only, with an online
+    softmax, every logit feature and dropout; chunks that see no key included."""
+    q, k, v = _inputs(rng, t, s)
+    bias = rng.standard_normal((B, 1, t, s)).astype("float32")
+    sinks = rng.standard_normal((N,)).astype("float32")
+    seed = ops.convert_to_tensor(np.array([5, 9]), "int32")
+    _assert_same(
+        "looped",
+        _skipping_mask(t, s),
+        (q, k, v, bias, sinks),
+        ("bias", "sinks"),
+        soft_cap=2.0,
+        dropout=0.3,
+        seed=seed,
+        key_block=key_block,
+    )
+
+
+def test_static_loop_schedules_only_the_blocks_a_chunk_sees(rng):
+    """Each chunk's key blocks (`_Plan.key_blocks`, computed at run time) start at
+    the first key one of its queries sees, cover the last, and are no more than
+    that; a chunk of padding has none, and the causal chunks skip the later keys."""
+    t, s, size = 13, 15, 4
+    mask = _tensorize(_skipping_mask(t, s))
+    q, k, _ = _inputs(rng, t, s)
+    plan = chunked._Plan.make(q, k, mask, 4, None, True, False, key_block=size)
+    assert plan.loop and plan.key_block == size
+    seen = np.broadcast_to(to_numpy(mask.block(0, t, 0, s)), (B, 1, t, s)).any(axis=(0, 1))
+    counts = []
+    for start in range(0, t, 4):
+        rows = min(4, t - start)
+        lo, count = (int(to_numpy(x)) for x in plan.key_blocks(start, rows))
+        keys = np.flatnonzero(seen[start : start + rows].any(axis=0))
+        if keys.size == 0:
+            assert count == 0
+        else:
+            assert lo == keys[0] and count == -(-(keys[-1] + 1 - lo) // size)
+        counts.append(count)
+    assert counts == [1, 2, 0, 0]  # every key: 4 blocks per chunk
+
+
+def test_static_loop_never_touches_a_skipped_block(rng):
+    """Keys no query sees (padding in every batch row) hold NaN, and so do the
+    queries of a chunk of padding: compiled (`jax.jit`, TensorFlow with XLA), the
+    static loop never visits them, so outputs and gradients stay finite and equal
+    the explicit kernel's with zeros there, every logit feature and dropout on. A
+    loop over every key gives NaN."""
+    t, s = 16, 16
+    q, k, v = _inputs(rng, t, s)
+    bias = rng.standard_normal((1, N, t, s)).astype("float32")
+    sinks = rng.standard_normal((N,)).astype("float32")
+    valid = np.ones((B, s), bool)
+    valid[:, 8:] = False
+    mask = masks.AttentionMask(causal=True, key_valid=valid, query_valid=valid)
+    seed = ops.convert_to_tensor(np.array([5, 9]), "int32")
+    options = dict(soft_cap=2.0, dropout=0.3, seed=seed)
+    explicit_run = _run("explicit", mask, ("bias", "sinks"), **options)
+    expected, expected_grads = value_and_grads(explicit_run, (q, k, v, bias, sinks))
+    q[:, 12:], k[:, 8:], v[:, 8:] = np.nan, np.nan, np.nan
+
+    def fn(q, k, v):
+        return chunked.attention(
+            q,
+            k,
+            v,
+            scale=H**-0.5,
+            mask=_tensorize(mask),
+            bias=bias,
+            sinks=sinks,
+            chunk_size=4,
+            key_block=4,
+            loop=True,
+            **options,
+        )
+
+    out, grads = _compiled_value_and_grads(fn, (q, k, v), "xla")
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    for got, want in zip(grads, expected_grads[:3]):
+        np.testing.assert_allclose(got, want, atol=ATOL)
 
 
 def _packed_mask(lengths, total, causal=False):

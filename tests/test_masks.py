@@ -103,6 +103,30 @@ def test_block_needs_sizes_for_positions():
         masks.AttentionMask(causal=True).block(0, None, 0, S)
 
 
+@pytest.mark.parametrize("name", list(FACTORS))
+def test_visible_range_holds_every_key_a_chunk_sees(rng, name):
+    """Every key some query of a chunk sees lies in the chunk's `visible_range`,
+    which is empty for a chunk none of whose queries is valid; `visible_keys` is the
+    same range where it has a key, and one key otherwise."""
+    factors = _factors(rng, FACTORS[name])
+    if factors.get("query_valid") is not None:
+        factors["query_valid"][:, 3:6] = False  # the chunk [3, 6) is padding
+    expected = _numpy_mask(**factors).any(axis=(0, 1))  # (T, S)
+    mask = masks.AttentionMask(**_tensors(factors))
+    for start in range(0, T, 3):
+        size = min(3, T - start)
+        lo, hi = (int(to_numpy(x)) for x in mask.visible_range(start, size, S))
+        seen = np.flatnonzero(expected[start : start + size].any(axis=0))
+        assert 0 <= lo <= hi <= S
+        if seen.size:
+            assert lo <= seen[0] and seen[-1] < hi
+        if factors.get("query_valid") is not None and start == 3:
+            assert lo == hi
+        keys = tuple(int(to_numpy(x)) for x in mask.visible_keys(start, size, S))
+        if mask.data_dependent:
+            assert keys == (lo, hi) if hi > lo else keys[1] == keys[0] + 1
+
+
 @pytest.mark.parametrize(
     "mask, start, size, expected",
     [

@@ -133,6 +133,7 @@ def attention(
         dropout=dropout,
         seed=seed if dropping else None,
         chunk_size=chunk_size or rules.chunk_size,
+        key_block=rules.key_block,
         in_flight=rules.in_flight,
         loop=rules.loop,
         dynamic=policy.dynamic_loop(rules),

@@ -15,9 +15,13 @@ The chunks are visited one of three ways (`Policy.loop`, `Policy.dynamic`):
 - unrolled, over a static `T`: each chunk sees only the keys it can attend to
   (causality and the window bound them: a causal chunk skips the keys after its last
   query, half the work); TensorFlow's graph runs at most `in_flight` chunks at once.
-- in a compiled loop (`keras.ops.fori_loop`): every chunk sees all keys, masked. XLA
-  runs independent unrolled chunks in any order and keeps their buffers alive
-  together; a loop holds one chunk's at a time.
+- in a compiled loop (`keras.ops.fori_loop`), static shapes: each chunk visits, in an
+  inner loop whose trip count is computed at run time, only the blocks of `key_block`
+  keys that hold a key some query of the chunk may see (`_Plan.key_blocks`:
+  causality, the window, query and key padding, document ids), with FlashAttention's
+  online softmax across them (`_forward_blocks`). XLA runs independent unrolled
+  chunks in any order and keeps their buffers alive together; a loop holds one
+  chunk's, one key block at a time.
 - in a dynamic loop (a TensorFlow graph's while loop): each step's tensors change
   size, so every chunk again sees only its key range; the rows grow by one chunk per
   step (`_Rows`).
@@ -48,6 +52,7 @@ def attention(
     dropout=0.0,
     seed=None,
     chunk_size=256,
+    key_block=512,
     in_flight=None,
     loop=False,
     dynamic=False,
@@ -65,6 +70,7 @@ def attention(
         dropout: attention dropout rate; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask.
         chunk_size: query rows per chunk.
+        key_block: keys per block of a static loop's chunk (at most `S`).
         in_flight: how many chunks of the forward pass may run at once (TensorFlow
             graphs); the backward runs one at a time.
         loop: visit the chunks in a compiled loop rather than unrolled.
@@ -75,7 +81,7 @@ def attention(
     """
     if dynamic and backend.backend() == "jax":
         raise ValueError("The chunked kernel's dynamic loop needs dynamic shapes; JAX has none.")
-    plan = _Plan.make(query, key, mask, chunk_size, in_flight, loop, dynamic)
+    plan = _Plan.make(query, key, mask, chunk_size, in_flight, loop, dynamic, key_block)
     options = _Options(scale, mask, soft_cap, dropout if seed is not None else 0.0, seed)
     tensors = [query, key, value]
     if bias is not None:
@@ -132,9 +138,10 @@ class _Plan:
     loop: bool  # the chunks run in a loop (the rest of a static loop, if any, before it)
     dynamic: bool  # the loop's chunks see only their key range; `T` may be unknown
     mask: Any
+    key_block: int = 0  # a static loop's keys per block; 0: every chunk sees every key
 
     @classmethod
-    def make(cls, query, key, mask, chunk_size, in_flight, loop, dynamic):
+    def make(cls, query, key, mask, chunk_size, in_flight, loop, dynamic, key_block=512):
         # Symbolic lengths (torch.export, jax.export) count as unknown: no guards.
         query_length, key_length = (_static(x.shape[1]) for x in (query, key))
         if query_length is None:
@@ -149,14 +156,20 @@ class _Plan:
             # are then no larger than freed ones, which malloc reuses instead of
             # growing the heap by every chunk's new, larger size.
             chunks = chunks[::-1]
-        plan = cls(chunks, (), key_length, query_length, chunk_size, in_flight, loop, dynamic, mask)
+        blocks = 0
+        if loop and not dynamic and key_length:  # static shapes: blocks of keys
+            blocks = min(key_block, key_length)
+        plan = cls(
+            chunks, (), key_length, query_length, chunk_size, in_flight, loop, dynamic, mask, blocks
+        )
         eager = not loop and _concrete(query)
         ranges = tuple(plan.key_range(start, size, eager) for start, size in chunks)
         return dataclasses.replace(plan, ranges=ranges)
 
     def key_range(self, start, size, eager=False):
         """`(lo, hi)` of the keys queries `[start, start + size)` see; `hi` `None` for
-        an unknown `S`. A static loop's chunks see every key.
+        an unknown `S`. A static loop's chunks see every key (where `S` is known they
+        visit their key blocks instead: `key_blocks`).
 
         Where the tensors hold data (`eager`: unrolled chunks run eagerly) or the
         loop takes ranges that change from chunk to chunk (`dynamic`), the range is
@@ -170,6 +183,27 @@ class _Plan:
         if eager:
             return int(ops.convert_to_numpy(lo)), int(ops.convert_to_numpy(hi))
         return lo, hi
+
+    def key_blocks(self, start, size):
+        """`(lo, count)`, int32 scalar tensors: a static loop's chunk of queries
+        `[start, start + size)` visits key blocks `j < count`, keys
+        `[lo + j * key_block, lo + (j + 1) * key_block)`, that cover the keys some
+        query of the chunk may see (`AttentionMask.visible_range`, computed at run
+        time); `count` is 0 for a chunk that sees no key."""
+        if self.mask is None:
+            lo, hi = ops.zeros((), "int32"), ops.convert_to_tensor(self.key_length, "int32")
+        else:
+            lo, hi = self.mask.visible_range(start, size, self.key_length)
+        return lo, (hi - lo + self.key_block - 1) // self.key_block
+
+    def key_block_of(self, inputs, start, size, lo, j):
+        """The `_Block` of queries `[start, start + size)` and key block `j` from
+        `lo` (`key_blocks`). The last block's slice is moved back to end at `S`
+        (no padding); its keys before `lo + j * key_block`, another block's, are
+        masked off."""
+        first = lo + j * self.key_block
+        key_start = ops.minimum(first, self.key_length - self.key_block)
+        return _Block(inputs, start, size, key_start, self.key_block, since=first)
 
     def concat(self, parts):
         """The chunks' parts, in the order the chunks were visited, along the queries."""
@@ -236,10 +270,11 @@ class _Inputs:
 
 
 class _Block:
-    """One chunk of queries `[start, start + size)` against keys `[lo, lo + keys)`."""
+    """One chunk of queries `[start, start + size)` against keys `[lo, lo + keys)`;
+    with `since`, the keys before it are masked."""
 
-    def __init__(self, inputs, start, size, lo, keys):
-        self.inputs, self.start, self.lo, self.keys = inputs, start, lo, keys
+    def __init__(self, inputs, start, size, lo, keys, since=None):
+        self.inputs, self.start, self.lo, self.keys, self.since = inputs, start, lo, keys, since
         self.size = inputs.query_length if size is None else size
         self.query = masks.slice_along(inputs.q, 2, start, size)
 
@@ -258,6 +293,9 @@ class _Block:
         mask = None
         if options.mask is not None:
             mask = options.mask.block(self.start, self.size, self.lo, keys)
+        if self.since is not None:
+            cols = ops.arange(keys, dtype="int32")[None, None, None, :] + self.lo
+            mask = masks.logical_and(mask, ops.greater_equal(cols, self.since))
         return x, mask, squashed
 
     def values(self):
@@ -286,6 +324,43 @@ def _forward_chunk(block):
     return ops.cast(ops.matmul(weights, block.values()), "float32"), logsumexp
 
 
+def _forward_blocks(plan, inputs, start, size):
+    """`(output, logsumexp)` of one chunk of a static loop, `(B, N, size, Hv)` and
+    `(B, N, size, 1)` float32 like `_forward_chunk`'s, over its visible key blocks
+    only (`_Plan.key_blocks`), in a loop whose trip count is known at run time:
+    FlashAttention's online softmax, a running row maximum `peak`, sum of weights
+    `total` and weighted sum of values `acc` rescaled as the maximum grows. A sink
+    starts the row (`peak` its logit, `total` 1); a chunk with no block gives zero
+    output and `logits.NO_KEYS` (no sink), as a row with no key.
+    """
+    lo, count = plan.key_blocks(start, size)
+    shape = ops.shape(inputs.q)
+    rows = (shape[0], shape[1], size, 1)
+    if inputs.sink is None:
+        peak, total = ops.full(rows, logits_lib.MASKED, "float32"), ops.zeros(rows, "float32")
+    else:
+        peak, total = ops.broadcast_to(inputs.sink, rows), ops.ones(rows, "float32")
+    acc = ops.zeros(rows[:3] + (ops.shape(inputs.v)[3],), "float32")
+
+    def step(j, state):
+        peak, total, acc = state
+        block = plan.key_block_of(inputs, start, size, lo, j)
+        x, mask, _ = block.logits()  # a key block always has a mask (`since`)
+        x = ops.where(mask, x, logits_lib.MASKED)
+        new_peak = ops.maximum(peak, ops.max(x, axis=-1, keepdims=True))
+        weights = ops.where(mask, ops.exp(x - new_peak), 0.0)  # masked: exactly 0
+        rescale = ops.exp(peak - new_peak)
+        total = total * rescale + ops.sum(weights, axis=-1, keepdims=True)
+        weights = ops.cast(block.dropped(weights), inputs.v.dtype)
+        acc = acc * rescale + _matmul(weights, block.values())
+        return new_peak, total, acc
+
+    peak, total, acc = _loop(count, step, (peak, total, acc), 1)
+    has_keys = ops.greater(total, 0.0)
+    total = ops.where(has_keys, total, 1.0)
+    return acc / total, ops.where(has_keys, peak + ops.log(total), logits_lib.NO_KEYS)
+
+
 def _forward(plan, inputs):
     """`(output, logsumexp)`: `(B, N, T, Hv)` and `(B, N, T, 1)`, float32."""
     if plan.loop:
@@ -309,8 +384,12 @@ def _forward_loop(plan, inputs):
 
     def visit(start, size, state):
         output, logsumexp = state
-        lo, hi = plan.key_range(start, size)
-        chunk, chunk_logsumexp = _forward_chunk(inputs.block(start, size, lo, _width(lo, hi)))
+        if plan.key_block:
+            chunk, chunk_logsumexp = _forward_blocks(plan, inputs, start, size)
+        else:
+            lo, hi = plan.key_range(start, size)
+            block = inputs.block(start, size, lo, _width(lo, hi))
+            chunk, chunk_logsumexp = _forward_chunk(block)
         return rows.put(output, chunk, start), rows.put(logsumexp, chunk_logsumexp, start)
 
     state = (output, logsumexp)
@@ -362,10 +441,10 @@ class _Rows:
 
 
 # ------------------------------------------------------------------------ backward
-def _backward_chunk(block, d_out, correction, logsumexp):
+def _backward_chunk(block, d_out, correction, logsumexp, sink=True):
     """One chunk's gradients: `(d_query, d_key, d_value, d_logits, d_sink)`, the key
     and value parts over the chunk's key range; `d_logits` before the soft cap's
-    derivative (what the bias receives)."""
+    derivative (what the bias receives); `d_sink` `None` unless `sink`."""
     inputs = block.inputs
     x, mask, squashed = block.logits()
     weights = ops.exp(x - logsumexp)
@@ -380,10 +459,15 @@ def _backward_chunk(block, d_out, correction, logsumexp):
     d_query = ops.einsum("bnqk,bnhk->bnqh", ops.cast(d_raw, inputs.q.dtype), keys_t)
     d_query = ops.cast(d_query, "float32")
     d_key = _matmul_t(d_raw, block.query, inputs.q.dtype)
-    d_sink = None
-    if inputs.sink is not None:
-        d_sink = -ops.sum(ops.exp(inputs.sink - logsumexp) * correction, axis=(0, 2, 3))
+    d_sink = _sink_gradient(inputs, correction, logsumexp) if sink else None
     return d_query, d_key, d_value, d_logits, d_sink
+
+
+def _sink_gradient(inputs, correction, logsumexp):
+    """`(N,)` gradient of the sinks from a chunk's rows, or `None` without sinks."""
+    if inputs.sink is None:
+        return None
+    return -ops.sum(ops.exp(inputs.sink - logsumexp) * correction, axis=(0, 2, 3))
 
 
 def _backward(plan, inputs, output, logsumexp, upstream):
@@ -395,8 +479,10 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     total = _Gradients(plan, inputs)
 
     def visit(start, size, lo, hi, state):
-        block = inputs.block(start, size, lo, _width(lo, hi))
         rows = [masks.slice_along(t, 2, start, size) for t in (d_out, correction, logsumexp)]
+        if plan.key_block:
+            return total.add_blocks(state, start, size, rows)
+        block = inputs.block(start, size, lo, _width(lo, hi))
         return total.add(state, block, _backward_chunk(block, *rows))
 
     if plan.loop:
@@ -474,6 +560,40 @@ class _Gradients:
         # parts of chunks run ahead would otherwise wait, all alive, to be added.
         self.done.append([d_query, state.d_key.sum, state.d_value.sum])
         return state
+
+    def add_blocks(self, state, start, size, rows):
+        """`state` with the gradients of a static loop's chunk added, its key blocks
+        visited in a loop as the forward pass visits them (`_forward_blocks`): the
+        key, value and bias parts added in place at each block's keys (a moved last
+        block's masked keys add zeros), the query part summed over the blocks."""
+        inputs, plan = self.inputs, self.plan
+        d_out, correction, logsumexp = rows
+        lo, count = plan.key_blocks(start, size)
+        shape = ops.shape(inputs.q)
+        d_query = ops.zeros((shape[0], shape[1], size, shape[3]), "float32")
+        has_bias = self.bias_shape is not None
+
+        def step(j, sums):
+            d_query, d_key, d_value, *d_bias = sums
+            block = plan.key_block_of(inputs, start, size, lo, j)
+            parts = _backward_chunk(block, d_out, correction, logsumexp, sink=False)
+            at = [0, 0, block.lo, 0]
+            sums = [d_query + parts[0], _add_at(d_key, parts[1], at, False)]
+            sums.append(_add_at(d_value, parts[2], at, False))
+            if has_bias:
+                at = [0, 0, start if self.bias_shape[2] != 1 else 0]
+                at.append(block.lo if self.bias_shape[3] != 1 else 0)
+                sums.append(_add_at(d_bias[0], self._bias_part(parts[3]), at, False))
+            return tuple(sums)
+
+        sums = (d_query, state[1], state[2]) + ((state[3],) if has_bias else ())
+        sums = _loop(count, step, sums, 1)
+        state = list(state)
+        state[0] = self.rows.put(state[0], sums[0], start)
+        state[1 : len(sums)] = sums[1:]
+        if inputs.sink is not None:
+            state[-1] = state[-1] + _sink_gradient(inputs, correction, logsumexp)
+        return tuple(state)
 
     def _add_in_place(self, state, block, d_query, d_key, d_value, d_bias, d_sink):
         state, padded = list(state), self.plan.dynamic

@@ -22,6 +22,11 @@ class Policy:
             "fused" (the backend's own kernel), "chunked" or "explicit".
         chunk_size: query rows per chunk of the chunked kernel (the layer's
             `chunk_size=None`).
+        key_block: keys per block of the compiled loop's chunks (`loop` without
+            `dynamic`): each chunk visits only the blocks holding a key one of its
+            queries may see, found at run time (causality, the window, query and key
+            padding, document ids), in an inner loop with an online softmax. Larger
+            blocks: fewer steps; smaller ones: less work past the visible keys.
         in_flight: how many query chunks of a forward pass may run at once;
             `None` for no limit. TensorFlow's graph executor otherwise starts every
             chunk together and the memory saving is gone; two overlap one chunk's
@@ -34,8 +39,8 @@ class Policy:
             Time over memory for small calls.
         loop: the chunked kernel visits its chunks in a compiled loop instead of
             unrolling them. XLA schedules unrolled chunks together and keeps all
-            their buffers; in a loop each chunk sees every key (masked), so a
-            causal call does the whole `T x S` work instead of half.
+            their buffers; a loop holds one chunk's. Its shapes are static: each
+            chunk visits its visible keys by blocks of `key_block`.
         dynamic: the loop's chunks take tensors whose size changes from chunk to
             chunk (a TensorFlow graph's while loop; XLA's shapes are static): each
             chunk then sees only the keys it can attend to, and a `T` unknown when
@@ -53,6 +58,7 @@ class Policy:
 
     kernel: str
     chunk_size: int = 256
+    key_block: int = 512
     in_flight: int | None = None
     explicit_up_to: int | None = None
     loop: bool = False
@@ -105,7 +111,8 @@ def _device(name):
 def dynamic_loop(policy):
     """The policy's `dynamic`, unless XLA compiles the graph being traced (TensorFlow's
     `jit_compile=True`, Keras's default there with a GPU): XLA's shapes are static,
-    so the loop's chunks then see every key, as on JAX."""
+    so the loop's chunks then visit their keys by blocks (`Policy.key_block`), as on
+    JAX."""
     if not policy.dynamic:
         return False
     if backend.backend() == "tensorflow":
