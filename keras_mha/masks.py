@@ -451,8 +451,10 @@ def slice_along(x, axis, start, size):
 
 
 def block_of(x, query_start, query_size, key_start, key_size):
-    """The `(query, key)` block of a rank-4 tensor broadcastable to `(B, N, T, S)` (a
-    dense mask, an attention bias); a broadcast axis of 1 stays as it is."""
+    """The `(query, key)` block of a tensor broadcastable to `(B, N, T, S)` (a dense
+    mask, an attention bias), as rank 4; a broadcast axis of 1 stays as it is."""
+    while len(x.shape) < 4:
+        x = ops.expand_dims(x, 0)
     if x.shape[2] != 1:
         x = slice_along(x, 2, query_start, query_size)
     if x.shape[3] != 1:

@@ -37,6 +37,7 @@ from keras import backend, ops
 
 from keras_mha import masks
 from keras_mha.kernels import logits as logits_lib
+from keras_mha.kernels import trim
 
 
 def attention(
@@ -162,7 +163,7 @@ class _Plan:
         plan = cls(
             chunks, (), key_length, query_length, chunk_size, in_flight, loop, dynamic, mask, blocks
         )
-        eager = not loop and _concrete(query)
+        eager = not loop and trim.holds_data(query)
         ranges = tuple(plan.key_range(start, size, eager) for start, size in chunks)
         return dataclasses.replace(plan, ranges=ranges)
 
@@ -695,24 +696,6 @@ class _KeySum:
 
 
 # ------------------------------------------------------------------------- helpers
-def _concrete(x):
-    """Whether `x` holds data now (eager execution, not a trace or an export)."""
-    name = backend.backend()
-    if name == "tensorflow":
-        import tensorflow as tf
-
-        return tf.executing_eagerly()
-    if name == "jax":
-        import jax
-
-        return not isinstance(x, jax.core.Tracer)
-    if name == "torch":
-        import torch
-
-        return not (torch.compiler.is_compiling() or torch.compiler.is_exporting())
-    return False
-
-
 def _static(dim):
     return dim if isinstance(dim, int) else None
 

@@ -38,7 +38,7 @@ class Cut:
             masks_lib.slice_along(value, 1, 0, self.keys),
         )
         if bias is not None:
-            bias = masks_lib.block_of(_rank4(bias), 0, self.queries, 0, self.keys)
+            bias = masks_lib.block_of(ops.convert_to_tensor(bias), 0, self.queries, 0, self.keys)
         return kept + (bias,)
 
     def output(self, output, query_length):
@@ -55,7 +55,7 @@ def cut(query, key, mask, *, dropout):
     Not with attention dropout: its mask is a hash of each weight's position in the
     whole `(T, S)`, which a cut call would number differently from a compiled one.
     """
-    if mask is None or dropout or len(query.shape) != 4 or not _holds_data(query):
+    if mask is None or dropout or len(query.shape) != 4 or not holds_data(query):
         return None
     query_length, key_length = query.shape[1], key.shape[1]
     offset = mask.static_offset
@@ -112,7 +112,7 @@ def _ids(segments, length):
     return None if segments is None else masks_lib.slice_along(segments, 1, 0, length)
 
 
-def _holds_data(x):
+def holds_data(x):
     """Whether `x` holds data now: an eager call, not a trace, an export or the
     shape inference of a symbolic call."""
     name = backend.backend()
@@ -131,10 +131,3 @@ def _holds_data(x):
         device = getattr(x, "device", None)  # NumPy arrays name theirs as a string
         return not compiling and getattr(device, "type", device) != "meta"
     return False
-
-
-def _rank4(bias):
-    bias = ops.convert_to_tensor(bias)
-    while len(bias.shape) < 4:
-        bias = ops.expand_dims(bias, 0)
-    return bias
