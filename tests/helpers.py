@@ -1,7 +1,8 @@
 """The per-backend helpers of the tests, in one place: calling a layer the fast way
 (`call`: one `jax.jit` per layer on JAX), compiling a step (`compiled`), gradients
-(`gradients` of a layer, `value_and_grads` of a function), plus a builder of (ours,
-built-in) layer pairs with the same weights.
+(`gradients` of a layer, `output_and_gradients` with its output from the same call,
+`value_and_grads` of a function), plus a builder of (ours, built-in) layer pairs with
+the same weights.
 
 Everything here works on the tensorflow, jax and torch backends and takes / returns
 NumPy arrays, so tests can compare results without knowing the backend. The float64
