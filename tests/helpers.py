@@ -1,7 +1,8 @@
 """The per-backend helpers of the tests, in one place: calling a layer the fast way
 (`call`: one `jax.jit` per layer on JAX), compiling a step (`compiled`), gradients
-(`gradients` of a layer, `value_and_grads` of a function), plus a builder of (ours,
-built-in) layer pairs with the same weights.
+(`gradients` of a layer, `output_and_gradients` with its output from the same call,
+`value_and_grads` of a function), plus a builder of (ours, built-in) layer pairs with
+the same weights.
 
 Everything here works on the tensorflow, jax and torch backends and takes / returns
 NumPy arrays, so tests can compare results without knowing the backend. The float64
@@ -73,6 +74,13 @@ def gradients(layer, inputs, loss=None, **call_kwargs):
         `(loss_value, input_grads, weight_grads)`: a float, a dict like `inputs`, and a
         list in `layer.trainable_weights` order, all NumPy.
     """
+    return output_and_gradients(layer, inputs, loss, **call_kwargs)[1:]
+
+
+def output_and_gradients(layer, inputs, loss=None, **call_kwargs):
+    """`gradients`, with the layer's output (first output, if a tuple) of the same
+    call in front: `(output, loss_value, input_grads, weight_grads)`. On JAX the
+    output comes out of the one compiled program that computes the gradients."""
     ops = keras.ops
     loss = loss or (lambda y: ops.sum(ops.square(y)) / 2.0)
 
@@ -87,7 +95,8 @@ def gradients(layer, inputs, loss=None, **call_kwargs):
         tensors = {n: tf.constant(inputs[n]) for n in names}
         with tf.GradientTape() as tape:
             tape.watch(list(tensors.values()))
-            value = loss(first(layer(**tensors, **call_kwargs)))
+            output = first(layer(**tensors, **call_kwargs))
+            value = loss(output)
         grads = tape.gradient(value, [tensors[n] for n in names] + [v.value for v in variables])
     elif BACKEND == "jax":
         import jax
@@ -99,13 +108,13 @@ def gradients(layer, inputs, loss=None, **call_kwargs):
                 **dict(zip(names, arrays)),
                 **call_kwargs,
             )
-            return loss(first(out))
+            return loss(first(out)), first(out)
 
         arrays = [jax.numpy.asarray(inputs[n]) for n in names]
         # One compiled graph is much faster on CPU than op-by-op eager dispatch.
-        value, (g_in, g_w) = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(
-            arrays, [v.value for v in variables]
-        )
+        (value, output), (g_in, g_w) = jax.jit(
+            jax.value_and_grad(fn, argnums=(0, 1), has_aux=True)
+        )(arrays, [v.value for v in variables])
         grads = list(g_in) + list(g_w)
     elif BACKEND == "torch":
         import torch
@@ -113,13 +122,19 @@ def gradients(layer, inputs, loss=None, **call_kwargs):
         tensors = {n: torch.tensor(inputs[n], requires_grad=True) for n in names}
         for v in variables:
             v.value.grad = None
-        value = loss(first(layer(**tensors, **call_kwargs)))
+        output = first(layer(**tensors, **call_kwargs))
+        value = loss(output)
         value.backward()
         grads = [tensors[n].grad for n in names] + [v.value.grad for v in variables]
     else:  # pragma: no cover
         raise NotImplementedError(BACKEND)
     grads = [None if g is None else to_numpy(g) for g in grads]
-    return float(to_numpy(value)), dict(zip(names, grads[: len(names)])), grads[len(names) :]
+    return (
+        to_numpy(output),
+        float(to_numpy(value)),
+        dict(zip(names, grads[: len(names)])),
+        grads[len(names) :],
+    )
 
 
 def value_and_grads(fn, arrays):

@@ -7,7 +7,7 @@ zero across documents; cross-attention, a cache, an unknown `T`, saving."""
 import keras
 import numpy as np
 import pytest
-from helpers import compiled, gradients, to_numpy
+from helpers import compiled, output_and_gradients, to_numpy
 from keras import ops
 from reference import reference_mha
 
@@ -84,18 +84,17 @@ def test_packed_row_equals_each_document_alone(rng, features, implementation, ca
         return lambda y: ops.sum(y * ops.convert_to_tensor(weights))
 
     ids = segment_ids()
-    packed = to_numpy(layer(x, x, segment_ids=ids, use_causal_mask=causal))
-    _, packed_in, packed_w = gradients(
+    # Each output comes from the call that computes its gradients (one program on JAX).
+    packed, _, packed_in, packed_w = output_and_gradients(
         layer, {"query": x, "value": x}, loss_of(w), segment_ids=ids, use_causal_mask=causal
     )
     summed = [np.zeros_like(g) for g in packed_w]
     for start, end in _spans():
         part = x[:, start:end]
-        alone = to_numpy(layer(part, part, use_causal_mask=causal))
-        np.testing.assert_allclose(packed[:, start:end], alone, atol=ATOL)
-        _, alone_in, alone_w = gradients(
+        alone, _, alone_in, alone_w = output_and_gradients(
             layer, {"query": part, "value": part}, loss_of(w[:, start:end]), use_causal_mask=causal
         )
+        np.testing.assert_allclose(packed[:, start:end], alone, atol=ATOL)
         for name in ("query", "value"):
             np.testing.assert_allclose(
                 packed_in[name][:, start:end], alone_in[name], atol=ATOL, err_msg=name

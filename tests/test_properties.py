@@ -11,7 +11,7 @@ import os
 
 import keras
 import numpy as np
-from helpers import call, gradients, to_numpy
+from helpers import call, output_and_gradients
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from keras import ops
@@ -392,8 +392,7 @@ def test_packed_documents_get_their_own_row_outputs_and_gradients(
 
     def run(inputs, weights, **kwargs):
         loss = lambda y: ops.sum(y * ops.convert_to_tensor(weights))  # noqa: E731
-        out = to_numpy(layer(inputs, inputs, use_causal_mask=causal, **kwargs))
-        _, grads, weight_grads = gradients(
+        out, _, grads, weight_grads = output_and_gradients(
             layer, {"query": inputs, "value": inputs}, loss, use_causal_mask=causal, **kwargs
         )
         return out, grads["query"] + grads["value"], weight_grads
