@@ -256,7 +256,8 @@ def test_segments_match_the_reference_with_a_dense_block_diagonal_mask(
 
 
 def test_fused_builds_no_whole_mask_for_segments(rng, monkeypatch):
-    """Document ids are built into a mask one chunk of queries at a time."""
+    """Document ids are built into a mask one chunk of queries at a time, and where
+    they hold data (an eager call) each chunk takes only its documents' keys."""
     shapes = []
     original = fused._Kernel.__call__
 
@@ -267,7 +268,30 @@ def test_fused_builds_no_whole_mask_for_segments(rng, monkeypatch):
     monkeypatch.setattr(fused._Kernel, "__call__", spy)
     q, k, v = _inputs(rng)
     fused.attention(q, k, v, scale=1.0, mask=_tensorize(MASKS["segments"](T, T)), chunk_size=4)
-    assert shapes == [(B, 1, 1, T), (B, 1, 4, T), (B, 1, 4, T), (B, 1, 4, T)]
+    # Chunks from the last: query 12 (batch 0's document 3: keys 9-12; batch 1's
+    # padding), queries 8-11 (documents 2 and 3; batch 1's 2: keys 4-12), 4-7 (batch 1's
+    # documents 7 and 2: keys 0-9), 0-3 (documents 1 and 7: keys 0-5).
+    assert shapes == [(B, 1, 1, 4), (B, 1, 4, 9), (B, 1, 4, 10), (B, 1, 4, 6)]
+
+
+def test_fused_skips_a_chunk_whose_queries_are_all_padding(rng, monkeypatch):
+    """Queries 4-7 are padding in every batch row: eagerly, no kernel call for their
+    chunk, and the results still equal the explicit kernel's, gradients too."""
+    calls = []
+    original = fused._Kernel.__call__
+
+    def spy(self, query, *rest):
+        calls.append(query.shape[1])
+        return original(self, query, *rest)
+
+    monkeypatch.setattr(fused._Kernel, "__call__", spy)
+    valid = np.ones((B, 12), bool)
+    valid[:, 4:8] = False
+    mask = masks.AttentionMask(query_valid=valid, causal=True, window=6)
+    q, k, v = _inputs(rng, 12, 12)
+    fused.attention(q, k, v, scale=0.5, mask=_tensorize(mask), chunk_size=4)
+    assert calls == [4, 4]
+    _assert_same("fused", mask, (q, k, v))
 
 
 def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch):

@@ -17,7 +17,7 @@ from keras import backend, ops
 
 from keras_mha import masks as masks_lib
 from keras_mha.kernels import logits as logits_lib
-from keras_mha.kernels import policy
+from keras_mha.kernels import policy, trim
 
 
 def attention(query, key, value, *, scale, mask=None, bias=None, flash=None, chunk_size=256):
@@ -82,12 +82,23 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         key_length = ops.shape(key)[1]
     # The last chunk (the most keys) first: later chunks' buffers fit in freed ones.
     starts = [0] if chunk_size is None else range(0, query_length, chunk_size)[::-1]
+    # Where the masks hold data, each chunk takes only the keys its queries may see by
+    # their documents and padding, as well as by causality and the window.
+    narrowed = chunk_size is not None and mask.data_dependent and trim.holds_data(query)
     outputs = []
     for start in starts:
         size = query_length if chunk_size is None else min(chunk_size, query_length - start)
         lo, hi = mask.key_range(start, size, key_length)
         if chunk_size is None:
             lo, hi = 0, key_length
+        elif narrowed:
+            lo, hi = (int(x) for x in mask.visible_range(start, size, key_length))
+            if hi == lo:  # no query of the chunk sees a key
+                shape = ops.shape(query)
+                outputs.append(
+                    ops.zeros((shape[0], size, shape[2], ops.shape(value)[3]), query.dtype)
+                )
+                continue
         block = mask.block(start, size, lo, hi - lo)
         kernel_mask, valid = _unmask_empty_rows(block)
         chunk_bias = None
