@@ -485,6 +485,36 @@ def test_visible_keys_narrow_the_static_range_by_padding_and_documents():
     assert [int(x) for x in both.visible_keys(3, 3, 8)] == [3, 5]
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="lengths unknown when tracing: tf.function")
+def test_dynamic_loop_narrows_by_data_where_lengths_are_unknown(rng):
+    """Under `tf.function` with unknown lengths, the graph loop's chunks still take only
+    their documents' keys (they took every key), and the results are the eager ones."""
+    import tensorflow as tf
+
+    ids = np.array([[1] * 6 + [2] * 6 + [0] * 4], "int32")
+    q, k, v = (rng.standard_normal((1, 16, N, H)).astype("float32") for _ in range(3))
+    spec = tf.TensorSpec((1, None, N, H))
+
+    def packed(ids):
+        return masks.AttentionMask(causal=True, query_segments=ids, key_segments=ids)
+
+    @tf.function(input_signature=[spec, spec, tf.TensorSpec((1, None), tf.int32)])
+    def ranges_and_output(q, k, ids):
+        plan = chunked._Plan.make(q, k, packed(ids), 4, None, True, True)
+        ranges = [plan.key_range(start, 4) for start in (0, 4, 8, 12)]
+        output = chunked.attention(
+            q, k, k, scale=0.5, mask=packed(ids), chunk_size=4, loop=True, dynamic=True
+        )
+        return ranges, output
+
+    ranges, output = ranges_and_output(q, k, ids)
+    # Queries 0-3: document 1 (keys 0-3); 4-7: documents 1 and 2 up to key 7; 8-11:
+    # document 2 (keys 6-11); 12-15: padding, one masked key.
+    assert [tuple(int(x) for x in r) for r in ranges] == [(0, 4), (0, 8), (6, 12), (15, 16)]
+    expected = chunked.attention(q, k, k, scale=0.5, mask=packed(ids), chunk_size=4)
+    np.testing.assert_allclose(to_numpy(output), to_numpy(expected), atol=ATOL)
+
+
 def test_unknown_query_length_is_one_chunk_unless_the_loop_is_dynamic():
     """Symbolic `T` (a functional model with `(None, dim)` inputs) traces one chunk;
     a dynamic loop chunks it all the same."""

@@ -140,6 +140,7 @@ class _Plan:
     dynamic: bool  # the loop's chunks see only their key range; `T` may be unknown
     mask: Any
     key_block: int = 0  # a static loop's keys per block; 0: every chunk sees every key
+    keys: Any = None  # `S`: static, or a scalar tensor in a dynamic loop
 
     @classmethod
     def make(cls, query, key, mask, chunk_size, in_flight, loop, dynamic, key_block=512):
@@ -160,8 +161,21 @@ class _Plan:
         blocks = 0
         if loop and not dynamic and key_length:  # static shapes: blocks of keys
             blocks = min(key_block, key_length)
+        # A dynamic loop narrows its chunks' key ranges by the data even where `S` is
+        # unknown when tracing (varying lengths under `tf.function`): `S` as a tensor.
+        keys = ops.shape(key)[1] if dynamic and key_length is None else key_length
         plan = cls(
-            chunks, (), key_length, query_length, chunk_size, in_flight, loop, dynamic, mask, blocks
+            chunks,
+            (),
+            key_length,
+            query_length,
+            chunk_size,
+            in_flight,
+            loop,
+            dynamic,
+            mask,
+            blocks,
+            keys,
         )
         eager = not loop and trim.holds_data(query)
         ranges = tuple(plan.key_range(start, size, eager) for start, size in chunks)
@@ -180,7 +194,7 @@ class _Plan:
             return 0, self.key_length
         if not (eager or self.dynamic) or not self.mask.data_dependent:
             return self.mask.key_range(start, size, self.key_length)
-        lo, hi = self.mask.visible_keys(start, size, self.key_length)
+        lo, hi = self.mask.visible_keys(start, size, self.keys)
         if eager:
             return int(ops.convert_to_numpy(lo)), int(ops.convert_to_numpy(hi))
         return lo, hi
