@@ -251,6 +251,19 @@ def report(records):
     return "\n".join(lines) + "\n"
 
 
+def _kept_records(rerun):
+    """The last results' records of the backends not measured again, with their date."""
+    path = os.path.join(RESULTS, "packed.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        last = json.load(f)
+    kept = [r for r in last["records"] if r["backend"] not in rerun]
+    for record in kept:
+        record.setdefault("date", last["meta"]["date"])
+    return kept
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
@@ -262,7 +275,12 @@ def main(argv=None):
         print(json.dumps(measure(args.child, json.loads(args.sizes))))
         return 0
     sizes = TOY if args.dry_run else FULL
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     records = [_run_child(b, way, sizes) for b in args.backends for way in WAYS]
+    for record in records:
+        record["date"] = now
+    if not args.dry_run:
+        records = _kept_records(args.backends) + records
     table = report(records)
     print(table)
     failed = [r for r in records if "error" in r]
@@ -270,14 +288,15 @@ def main(argv=None):
         print(f"{r['backend']} / {r['way']} failed:\n{r['error']}", file=sys.stderr)
     if not args.dry_run:
         meta = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": now,
             "machine": platform.platform(),
             "sizes": sizes,
         }
         with open(os.path.join(RESULTS, "packed.json"), "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1)
         with open(os.path.join(RESULTS, "packed.md"), "w") as f:
-            f.write(f"Packed sequences, {meta['date']}, {meta['machine']}\n\n{table}")
+            dates = ", ".join(sorted({f"{r['backend']} {r['date']}" for r in records}))
+            f.write(f"Packed sequences (measured {dates}), {meta['machine']}\n\n{table}")
     return 1 if failed else 0
 
 
