@@ -596,9 +596,8 @@ class _Gradients:
             sums = [d_query + parts[0], _add_at(d_key, parts[1], at, False)]
             sums.append(_add_at(d_value, parts[2], at, False))
             if has_bias:
-                at = [0, 0, start if self.bias_shape[2] != 1 else 0]
-                at.append(block.lo if self.bias_shape[3] != 1 else 0)
-                sums.append(_add_at(d_bias[0], self._bias_part(parts[3]), at, False))
+                part = self._bias_part(parts[3])
+                sums.append(_add_at(d_bias[0], part, self._bias_at(block), False))
             return tuple(sums)
 
         sums = (d_query, state[1], state[2]) + ((state[3],) if has_bias else ())
@@ -617,13 +616,18 @@ class _Gradients:
         state[2] = _add_at(state[2], d_value, [0, 0, block.lo, 0], padded)
         i = 3
         if d_bias is not None:
-            rows = block.start if self.bias_shape[2] != 1 else 0
-            keys = block.lo if self.bias_shape[3] != 1 else 0
-            state[i] = _add_at(state[i], d_bias, [0, 0, rows, keys], padded)
+            state[i] = _add_at(state[i], d_bias, self._bias_at(block), padded)
             i += 1
         if d_sink is not None:
             state[i] = state[i] + d_sink
         return tuple(state)
+
+    def _bias_at(self, block):
+        """Where `block`'s bias gradient goes in the bias's shape (0 along a
+        broadcast axis)."""
+        rows = block.start if self.bias_shape[2] != 1 else 0
+        keys = block.lo if self.bias_shape[3] != 1 else 0
+        return [0, 0, rows, keys]
 
     def _bias_part(self, d_logits):
         """`d_logits` summed over the axes the bias broadcasts along."""

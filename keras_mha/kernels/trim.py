@@ -62,11 +62,8 @@ def cut(query, key, mask, *, dropout):
     if not (isinstance(query_length, int) and isinstance(key_length, int)) or offset is None:
         return None
     queries = _kept(query_length, mask.query_valid, mask.query_segments)
-    keys = _kept(key_length, mask.key_valid, mask.key_segments)
-    if mask.causal:
-        keys = min(keys, queries + offset)
-    if mask.window is not None:
-        keys = min(keys, queries - 1 + offset + mask.window)
+    # The keys after the last one the kept queries may see by causality and the window.
+    _, keys = mask.key_range(0, queries, _kept(key_length, mask.key_valid, mask.key_segments))
     if queries <= 0 or keys <= 0:
         return None  # no query sees a key: the kernels' own empty rows
     kept = dataclasses.replace(
