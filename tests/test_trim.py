@@ -104,6 +104,25 @@ def test_nothing_is_cut_where_nothing_can_be():
     assert _cut(masks.AttentionMask(key_valid=_valid([0], 12)), 1, 12, 12) is None
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.jit.trace is torch's")
+def test_a_torch_trace_is_never_cut():
+    """`torch.jit.trace` (OpenVINO's export of a torch model) would keep a cut's sizes
+    as constants: traced calls are not cut."""
+    import torch
+
+    mask, sizes, _ = CUTS[0][1:]
+    assert _cut(mask, *sizes) is not None
+    seen = []
+
+    def traced(query, key):
+        seen.append(trim.cut(query, key, mask, dropout=False))
+        return query
+
+    q, k, _ = _inputs(np.random.default_rng(0), *sizes)
+    torch.jit.trace(traced, (torch.tensor(q), torch.tensor(k)))
+    assert seen[0] is None  # the tracing call (the trace's check then runs it eagerly)
+
+
 def test_a_padded_causal_row_reaches_the_fused_kernel_whole():
     """The cut leaves causality alone, which the fused kernel takes with `is_causal`."""
     mask, sizes, _ = CUTS[0][1:]

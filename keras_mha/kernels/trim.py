@@ -110,8 +110,8 @@ def _ids(segments, length):
 
 
 def holds_data(x):
-    """Whether `x` holds data now: an eager call, not a trace, an export or the
-    shape inference of a symbolic call."""
+    """Whether `x` holds data now: an eager call, not a trace (`torch.jit.trace`
+    included), an export or the shape inference of a symbolic call."""
     name = backend.backend()
     if name == "tensorflow":
         import tensorflow as tf
@@ -124,7 +124,10 @@ def holds_data(x):
     if name == "torch":
         import torch
 
+        # `torch.jit.trace` (OpenVINO's export, ONNX's TorchScript one) records Python
+        # ints read from the data as constants: a trace holds no data either.
         compiling = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        compiling = compiling or torch.jit.is_tracing()
         device = getattr(x, "device", None)  # NumPy arrays name theirs as a string
         return not compiling and getattr(device, "type", device) != "meta"
     return False
