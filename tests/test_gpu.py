@@ -137,8 +137,8 @@ def test_mixed_bfloat16_matches_float32(implementation):
 def test_mixed_bfloat16_softmax_runs_in_float32(monkeypatch):
     seen = []
 
-    def recording_softmax(logits, mask, axes, sinks=None):
-        weights, logsumexp = softmax(logits, mask, axes, sinks)
+    def recording_softmax(logits, mask, axes, sinks=None, **kwargs):
+        weights, logsumexp = softmax(logits, mask, axes, sinks, **kwargs)
         seen.append((keras.backend.standardize_dtype(logits.dtype), device_type(weights)))
         return weights, logsumexp
 

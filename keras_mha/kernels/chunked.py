@@ -357,7 +357,7 @@ class _Block:
 def _forward_chunk(block):
     """`(output, logsumexp)` of one chunk: `(B, N, q, Hv)` float32, `(B, N, q, 1)`."""
     x, mask, _ = block.logits()
-    weights, logsumexp = logits_lib.softmax(x, mask, (-1,), block.inputs.sink)
+    weights, logsumexp = logits_lib.softmax(x, mask, (-1,), block.inputs.sink, logsumexp=True)
     weights = ops.cast(block.dropped(weights), block.inputs.v.dtype)
     return ops.cast(ops.matmul(weights, block.values()), "float32"), logsumexp
 
