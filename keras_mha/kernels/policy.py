@@ -72,7 +72,7 @@ class Policy:
 # benchmarks/results (see its README); `make bench` re-measures them.
 POLICIES = {
     ("tensorflow", "cpu"): Policy(
-        "chunked", chunk_size=128, in_flight=2, explicit_up_to=1 << 22, loop=True, dynamic=True
+        "chunked", chunk_size=256, in_flight=2, explicit_up_to=1 << 22, loop=True, dynamic=True
     ),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
     ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
