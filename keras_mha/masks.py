@@ -156,40 +156,6 @@ class AttentionMask:
             hi = ops.where(valid, hi, lo)
         return lo, ops.maximum(hi, lo)
 
-    def full_range(self, query_start, query_size, key_length):
-        """`(lo, hi)` as int32 scalar tensors: keys that every query
-        `[query_start, query_start + query_size)` of every batch row sees, so that
-        a block of them needs no mask (`hi == lo` where there is none). The
-        counterpart of `visible_range`, which holds the keys some query sees.
-
-        Causality and the window bound it by the chunk's first and last queries; key
-        padding ends it at the first key padded in some batch row; a chunk holding a
-        padded query, a dense mask, document ids or an offset that is a tensor leave
-        it empty. Needs a static `query_size` and `key_length`.
-        """
-        none = _int32(0), _int32(0)
-        if self.dense is not None or self.query_segments is not None:
-            return none
-        offset = self.static_offset
-        if offset is None:
-            return none
-        lo, hi = _int32(0), _int32(key_length)
-        first, last = query_start + offset, query_start + query_size - 1 + offset
-        if self.causal:
-            hi = ops.minimum(hi, _int32(first + 1))
-        if self.window is not None:
-            hi = ops.minimum(hi, _int32(first + self.window))
-            lo = ops.maximum(lo, _int32(last - self.window + 1))
-        if self.key_valid is not None:
-            valid = ops.all(self.key_valid, axis=0)  # (S,), or (1,) from a (B, 1) padding
-            keys = ops.arange(key_length, dtype="int32")
-            hi = ops.minimum(hi, ops.min(ops.where(valid, key_length, keys)))
-        if self.query_valid is not None:
-            valid = ops.all(self._valid_rows(query_start, query_size))
-            hi = ops.where(valid, hi, lo)
-        lo = ops.clip(lo, 0, key_length)
-        return lo, ops.maximum(hi, lo)
-
     def _valid_rows(self, query_start, query_size):
         """`(B, q, 1)` query padding of the chunk (broadcast along the queries where
         it is `(B, 1)`)."""

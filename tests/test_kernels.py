@@ -397,35 +397,6 @@ def test_static_loop_schedules_only_the_blocks_a_chunk_sees(rng):
     assert counts == [1, 2, 0, 0]  # every key: 4 blocks per chunk
 
 
-@pytest.mark.parametrize("masking", ["none", "causal", "causal+padding", "causal+window"])
-def test_static_loop_runs_unmasked_exactly_the_blocks_every_query_sees(rng, masking):
-    """A key block runs without a mask (`_Plan.full_blocks`) only where every query
-    of its chunk, in every batch row, sees every one of its keys, and it does for
-    the blocks causality and right padding leave whole: the moved last block
-    (`S` no multiple of the block) is masked. A window of 4 leaves no block of 4
-    whole."""
-    t, s, size = 16, 14, 4
-    mask = MASKS[masking](t, s)
-    if masking == "causal+padding":  # right padding: batch 1 keeps every position
-        valid = np.arange(s) < np.array([[11], [s]])
-        mask = dataclasses.replace(mask, key_valid=valid, query_valid=np.ones((B, t), bool))
-    mask = _tensorize(mask)
-    q, k, _ = _inputs(rng, t, s)
-    plan = chunked._Plan.make(q, k, mask, 4, None, True, False, key_block=size)
-    seen = np.ones((B, 1, t, s), bool) if mask is None else mask.block(0, t, 0, s)
-    everyone = np.broadcast_to(to_numpy(seen), (B, 1, t, s)).all(axis=(0, 1))
-    fulls = 0
-    for start in range(0, t, 4):
-        lo, count = plan.key_blocks(start, 4)
-        full = plan.full_blocks(start, 4, lo)
-        for j in range(int(to_numpy(count))):
-            first = int(to_numpy(lo)) + j * size
-            whole = first + size <= s and everyone[start : start + 4, first : first + size].all()
-            assert bool(to_numpy(full(j))) == whole, (start, j)
-            fulls += whole
-    assert (fulls > 0) == (masking != "causal+window")
-
-
 def test_static_loop_never_touches_a_skipped_block(rng):
     """Keys no query sees (padding in every batch row) hold NaN, and so do the
     queries of a chunk of padding: compiled (`jax.jit`, TensorFlow with XLA), the

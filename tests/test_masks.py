@@ -127,28 +127,6 @@ def test_visible_range_holds_every_key_a_chunk_sees(rng, name):
             assert keys == (lo, hi) if hi > lo else keys[1] == keys[0] + 1
 
 
-@pytest.mark.parametrize("name", [*FACTORS, "right-padding"])
-def test_full_range_holds_only_keys_every_query_sees(rng, name):
-    """Every key of a chunk's `full_range` is seen by every query of the chunk in
-    every batch row (its blocks run without a mask); without data-dependent factors
-    it is the whole range causality and the window leave every query, and right
-    padding ends it at the shortest row."""
-    if name == "right-padding":
-        factors = dict(causal=True, key_valid=np.arange(S) < np.array([[4], [S]]))
-        factors["query_valid"] = np.ones((B, T), bool)
-    else:
-        factors = _factors(rng, FACTORS[name])
-    everyone = _numpy_mask(**factors).all(axis=(0, 1))  # (T, S)
-    mask = masks.AttentionMask(**_tensors(factors))
-    for start, size in [(0, 3), (3, 3), (6, 1), (2, 5)]:
-        lo, hi = (int(to_numpy(x)) for x in mask.full_range(start, size, S))
-        assert 0 <= lo <= hi <= S
-        assert everyone[start : start + size, lo:hi].all()
-        if name in ("causal", "causal+offset", "window", "causal+window+offset", "right-padding"):
-            keys = np.flatnonzero(everyone[start : start + size].all(axis=0))
-            assert (lo, hi) == ((keys[0], keys[-1] + 1) if keys.size else (lo, lo))
-
-
 @pytest.mark.parametrize(
     "mask, start, size, expected",
     [

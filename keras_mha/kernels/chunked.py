@@ -211,35 +211,14 @@ class _Plan:
             lo, hi = self.mask.visible_range(start, size, self.key_length)
         return lo, (hi - lo + self.key_block - 1) // self.key_block
 
-    def key_block_of(self, inputs, start, size, lo, j, masked=True):
+    def key_block_of(self, inputs, start, size, lo, j):
         """The `_Block` of queries `[start, start + size)` and key block `j` from
         `lo` (`key_blocks`). The last block's slice is moved back to end at `S`
         (no padding); its keys before `lo + j * key_block`, another block's, are
-        masked off. `masked=False`: a full block (`full_blocks`), without a mask."""
+        masked off."""
         first = lo + j * self.key_block
-        if not masked:
-            return _Block(inputs, start, size, first, self.key_block, masked=False)
         key_start = ops.minimum(first, self.key_length - self.key_block)
         return _Block(inputs, start, size, key_start, self.key_block, since=first)
-
-    def full_blocks(self, start, size, lo):
-        """`full(j)`: whether key block `j` of the chunk (`key_blocks`) holds only
-        keys that every query of the chunk sees (`AttentionMask.full_range`) and is
-        not moved back, so it runs without a mask; `True` where every block is
-        known to be full when tracing (no mask, `S` a multiple of the block)."""
-        size_ = self.key_block
-        if self.mask is None:
-            if self.key_length % size_ == 0:
-                return lambda j: True
-            lo_full, hi_full = 0, self.key_length
-        else:
-            lo_full, hi_full = self.mask.full_range(start, size, self.key_length)
-
-        def full(j):
-            first = lo + j * size_
-            return ops.logical_and(first >= lo_full, first + size_ <= hi_full)
-
-        return full
 
     def concat(self, parts):
         """The chunks' parts, in the order the chunks were visited, along the queries."""
@@ -307,12 +286,10 @@ class _Inputs:
 
 class _Block:
     """One chunk of queries `[start, start + size)` against keys `[lo, lo + keys)`;
-    with `since`, the keys before it are masked; `masked=False`, the call's mask is
-    not applied (a block every query of the chunk sees whole)."""
+    with `since`, the keys before it are masked."""
 
-    def __init__(self, inputs, start, size, lo, keys, since=None, masked=True):
+    def __init__(self, inputs, start, size, lo, keys, since=None):
         self.inputs, self.start, self.lo, self.keys, self.since = inputs, start, lo, keys, since
-        self.masked = masked
         self.size = inputs.query_length if size is None else size
         self.query = masks.slice_along(inputs.q, 2, start, size)
 
@@ -329,7 +306,7 @@ class _Block:
                 masks.block_of(inputs.bias, self.start, self.size, self.lo, keys), "float32"
             )
         mask = None
-        if options.mask is not None and self.masked:
+        if options.mask is not None:
             mask = options.mask.block(self.start, self.size, self.lo, keys)
         if self.since is not None:
             cols = ops.arange(keys, dtype="int32")[None, None, None, :] + self.lo
@@ -372,7 +349,6 @@ def _forward_blocks(plan, inputs, start, size):
     output and `logits.NO_KEYS` (no sink), as a row with no key.
     """
     lo, count = plan.key_blocks(start, size)
-    full = plan.full_blocks(start, size, lo)
     shape = ops.shape(inputs.q)
     rows = (shape[0], shape[1], size, 1)
     if inputs.sink is None:
@@ -382,42 +358,22 @@ def _forward_blocks(plan, inputs, start, size):
     acc = ops.zeros(rows[:3] + (ops.shape(inputs.v)[3],), "float32")
 
     def step(j, state):
-        def visit(masked):
-            return lambda: _online_softmax_step(
-                plan.key_block_of(inputs, start, size, lo, j, masked), state
-            )
-
-        return _if_full(full(j), visit)
+        peak, total, acc = state
+        block = plan.key_block_of(inputs, start, size, lo, j)
+        x, mask, _ = block.logits()  # a key block always has a mask (`since`)
+        x = ops.where(mask, x, logits_lib.MASKED)
+        new_peak = ops.maximum(peak, ops.max(x, axis=-1, keepdims=True))
+        weights = ops.where(mask, ops.exp(x - new_peak), 0.0)  # masked: exactly 0
+        rescale = ops.exp(peak - new_peak)
+        total = total * rescale + ops.sum(weights, axis=-1, keepdims=True)
+        weights = ops.cast(block.dropped(weights), inputs.v.dtype)
+        acc = acc * rescale + _matmul(weights, block.values())
+        return new_peak, total, acc
 
     peak, total, acc = _loop(count, step, (peak, total, acc), 1)
     has_keys = ops.greater(total, 0.0)
     total = ops.where(has_keys, total, 1.0)
     return acc / total, ops.where(has_keys, peak + ops.log(total), logits_lib.NO_KEYS)
-
-
-def _online_softmax_step(block, state):
-    """`(peak, total, acc)` of `_forward_blocks` after one more key block."""
-    peak, total, acc = state
-    x, mask, _ = block.logits()  # `None` for a full block
-    if mask is not None:
-        x = ops.where(mask, x, logits_lib.MASKED)
-    new_peak = ops.maximum(peak, ops.max(x, axis=-1, keepdims=True))
-    weights = ops.exp(x - new_peak)
-    if mask is not None:
-        weights = ops.where(mask, weights, 0.0)  # masked: exactly 0
-    rescale = ops.exp(peak - new_peak)
-    total = total * rescale + ops.sum(weights, axis=-1, keepdims=True)
-    weights = ops.cast(block.dropped(weights), block.inputs.v.dtype)
-    acc = acc * rescale + _matmul(weights, block.values())
-    return new_peak, total, acc
-
-
-def _if_full(full, visit):
-    """`visit(masked)()` for a key block: unmasked where `full` (a Python bool or a
-    boolean scalar tensor, decided at run time) holds, else masked."""
-    if isinstance(full, bool):
-        return visit(not full)()
-    return ops.cond(full, visit(False), visit(True))
 
 
 def _forward(plan, inputs):
@@ -628,31 +584,20 @@ class _Gradients:
         inputs, plan = self.inputs, self.plan
         d_out, correction, logsumexp = rows
         lo, count = plan.key_blocks(start, size)
-        full = plan.full_blocks(start, size, lo)
         shape = ops.shape(inputs.q)
         d_query = ops.zeros((shape[0], shape[1], size, shape[3]), "float32")
         has_bias = self.bias_shape is not None
 
         def step(j, sums):
             d_query, d_key, d_value, *d_bias = sums
-
-            def visit(masked):
-                # The block's parts only: the full-size sums are added to outside
-                # the branches, in place.
-                def parts():
-                    block = plan.key_block_of(inputs, start, size, lo, j, masked)
-                    parts = _backward_chunk(block, d_out, correction, logsumexp, sink=False)
-                    return (block.lo, *parts[: 4 if has_bias else 3])
-
-                return parts
-
-            key_start, *parts = _if_full(full(j), visit)
-            at = [0, 0, key_start, 0]
+            block = plan.key_block_of(inputs, start, size, lo, j)
+            parts = _backward_chunk(block, d_out, correction, logsumexp, sink=False)
+            at = [0, 0, block.lo, 0]
             sums = [d_query + parts[0], _add_at(d_key, parts[1], at, False)]
             sums.append(_add_at(d_value, parts[2], at, False))
             if has_bias:
                 part = self._bias_part(parts[3])
-                sums.append(_add_at(d_bias[0], part, self._bias_at(start, key_start), False))
+                sums.append(_add_at(d_bias[0], part, self._bias_at(block), False))
             return tuple(sums)
 
         sums = (d_query, state[1], state[2]) + ((state[3],) if has_bias else ())
@@ -671,17 +616,17 @@ class _Gradients:
         state[2] = _add_at(state[2], d_value, [0, 0, block.lo, 0], padded)
         i = 3
         if d_bias is not None:
-            state[i] = _add_at(state[i], d_bias, self._bias_at(block.start, block.lo), padded)
+            state[i] = _add_at(state[i], d_bias, self._bias_at(block), padded)
             i += 1
         if d_sink is not None:
             state[i] = state[i] + d_sink
         return tuple(state)
 
-    def _bias_at(self, query_start, key_start):
-        """Where a block's bias gradient goes in the bias's shape (0 along a
+    def _bias_at(self, block):
+        """Where `block`'s bias gradient goes in the bias's shape (0 along a
         broadcast axis)."""
-        rows = query_start if self.bias_shape[2] != 1 else 0
-        keys = key_start if self.bias_shape[3] != 1 else 0
+        rows = block.start if self.bias_shape[2] != 1 else 0
+        keys = block.lo if self.bias_shape[3] != 1 else 0
         return [0, 0, rows, keys]
 
     def _bias_part(self, d_logits):
