@@ -56,7 +56,7 @@ def softmax(x, mask, axes, sinks=None, logsumexp=False):
         weights = ops.softmax(x, axis=axes[0])
         if mask is not None:  # masked entries, and every entry of a key-less row
             weights = ops.where(mask, weights, 0.0)
-        return weights, _logsumexp_of(x, weights, axes) if logsumexp else None
+        return weights, _logsumexp(x, mask, axes) if logsumexp else None
     peak = ops.stop_gradient(_peak(x, axes, sinks))
     weights = ops.exp(x - peak)
     if mask is not None:
@@ -74,16 +74,14 @@ def _peak(x, axes, sinks):
     return peak if sinks is None else ops.maximum(peak, sinks)
 
 
-def _logsumexp_of(x, weights, axes):
-    """Per-row logsumexp of masked logits `x` from their softmax `weights`, without
-    a second exponential: the largest weight, at the largest logit, is
-    `1 / sum(exp(x - max(x)))`. `NO_KEYS` for a row with no key (weights all 0)."""
-    if 0 in tuple(weights.shape):  # no row: Keras's max of an empty tensor has no shape
-        return ops.sum(weights, axis=axes, keepdims=True)
+def _logsumexp(x, mask, axes):
+    """Per-row logsumexp of masked logits `x`; `NO_KEYS` for a row with no key."""
     peak = _peak(x, axes, None)
-    largest = ops.max(weights, axis=axes, keepdims=True)
-    has_keys = ops.greater(largest, 0.0)
-    return ops.where(has_keys, peak - ops.log(ops.where(has_keys, largest, 1.0)), NO_KEYS)
+    total = ops.sum(ops.exp(x - peak), axis=axes, keepdims=True)
+    logsumexp = peak + ops.log(total)
+    if mask is None:
+        return logsumexp
+    return ops.where(ops.any(mask, axis=axes, keepdims=True), logsumexp, NO_KEYS)
 
 
 # ------------------------------------------------------------------------- dropout
