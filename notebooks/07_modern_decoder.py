@@ -115,7 +115,7 @@ class Decoder(keras.Model):
 # every next token is predictable by looking back one period: attention has to find it.
 
 # %%
-VOCAB, LENGTH = 16, 48
+VOCAB, LENGTH = 16, 32
 rng = np.random.default_rng(0)
 
 

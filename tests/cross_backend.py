@@ -1,15 +1,20 @@
-"""The two sides of the cross-backend matrix (`tests/test_cross_backend.py`), each run
-in a process of its own under `KERAS_BACKEND`:
+"""The two sides of the cross-backend matrix (`tests/test_cross_backend.py`), run in
+one process per backend under `KERAS_BACKEND`:
 
     KERAS_BACKEND=jax python tests/cross_backend.py save DIR
     KERAS_BACKEND=torch python tests/cross_backend.py check DIR ...
+    KERAS_BACKEND=torch python tests/cross_backend.py save-then-check DIR
+
+`save-then-check` saves into DIR, prints `SAVED`, then reads the directories to check
+from its standard input (one line, a JSON list), once every backend has saved:
+one interpreter per backend instead of two.
 
 `save` writes a model holding our layer (`ours.keras`, with its inputs and outputs in
 `ours.npz`) and the keras.io-style classifier on the built-in layer (`builtin.keras`,
 from `swap_models.py`). `check` loads every directory's files here: ours must give the
 saved outputs; the classifier is swapped and compared with its swapped copy (outputs
-and weight gradients), and swapped to a file that loads with `safe_mode=True`. It
-prints one line, `RESULTS {json}`.
+and weight gradients, unpadded and padded inputs: `compare.swap_file`), and swapped to
+a file that loads with `safe_mode=True`. It prints one line, `RESULTS {json}`.
 """
 
 import json
@@ -67,15 +72,19 @@ def _check_ours(directory):
 def _check_builtin(directory):
     from keras_mha import compare
 
+    # `swap_file` compares as `compare_model` does (`compare._compare_on`: outputs,
+    # masks and weight gradients on unpadded and padded inputs) before it writes: one
+    # load and comparison, not two (under torch, a file saved under JAX loads with
+    # `jit_compile=True`: each model's first call there is a `torch.compile`).
     path = str(directory / "builtin.keras")
-    record = compare.compare_model(path, [], repeats=0)
     out = str(directory / f"builtin-swapped-{keras.backend.backend()}.keras")
     swap = compare.swap_file(path, out)
     loaded = keras.saving.load_model(out, safe_mode=True)
     return {
-        "passed": record["passed"],
-        "max_abs_diff": record["max_abs_diff"],
-        "grad_max_abs_diff": record["grad_max_abs_diff"],
+        "passed": swap["passed"],
+        "max_abs_diff": swap["max_abs_diff"],
+        "grad_max_abs_diff": swap["grad_max_abs_diff"],
+        "input_cases": sorted(swap["input_cases"]),
         "swap_passed": swap["passed"],
         "swapped_classes": [
             type(loaded.get_layer("block").att) is keras_mha.MultiHeadAttention,
@@ -96,9 +105,15 @@ def check(directories):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "check":
+    if len(sys.argv) == 3 and sys.argv[1] == "save-then-check":
+        save(sys.argv[2])
+        print("SAVED", flush=True)
+        check(json.loads(sys.stdin.readline()))
+    elif len(sys.argv) >= 3 and sys.argv[1] == "check":
         check(sys.argv[2:])
     elif len(sys.argv) == 3 and sys.argv[1] == "save":
         save(sys.argv[2])
     else:
-        sys.exit(f"usage: KERAS_BACKEND=... {sys.argv[0]} save DIR | check DIR ...")
+        sys.exit(
+            f"usage: KERAS_BACKEND=... {sys.argv[0]} save DIR | check DIR ... | save-then-check DIR"
+        )

@@ -46,13 +46,20 @@ def _backend_importable(backend):
 # (programs that compile in under 0.1 s, most eager ops, are not worth the writing).
 # It locks its files (a size limit turns the locking on): processes share it safely.
 # Not for the notebooks: their training cells run long enough that unoptimised code
-# costs more than it saves (notebook 07: 89 -> 165 s).
+# costs more than it saves (notebook 07: 89 -> 165 s). They get the cache alone, for
+# every program (`_cache_env(cache_dir, 0)`): notebook 06's `keras-mha compare` child
+# then reads the eager ops its `keras-mha swap` child compiled (notebook 06: 93 -> 60 s).
+# (Every program in the test runs costs more than it saves there: test_layer and
+# test_layer_features on JAX 82 -> 91 s.)
 def _fast_compile_env(cache_dir):
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
+    return {"XLA_FLAGS": flags.strip(), **_cache_env(cache_dir, 0.1)}
+
+
+def _cache_env(cache_dir, min_compile_seconds):
     return {
-        "XLA_FLAGS": flags.strip(),
         "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(min_compile_seconds),
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
     }
@@ -146,8 +153,11 @@ def main():
         if not importable:
             print(f"{label:>22}: NOT INSTALLED ({' '.join(why)})  [FAILED]", flush=True)
             return False, {"passed": 0, "failed": 1, "skipped": 0}
-        fast = None if label.startswith("notebooks") else _fast_compile_env(cache_dir)
-        return _run_pytest(label, backend, pytest_args, fast)
+        if label.startswith("notebooks"):
+            env = _cache_env(cache_dir, 0)
+        else:
+            env = _fast_compile_env(cache_dir)
+        return _run_pytest(label, backend, pytest_args, env)
 
     start = time.perf_counter()
     cache_dir = tempfile.mkdtemp(prefix="keras-mha-jax-cache-")

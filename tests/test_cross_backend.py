@@ -1,6 +1,7 @@
 """A `.keras` file saved under each of tensorflow, jax and torch, used under each of
-them: the 3 x 3 matrix, run once (`once`) in 3 saving and 3 checking processes
-(`tests/cross_backend.py`).
+them: the 3 x 3 matrix, run once (`once`) in one process per backend
+(`tests/cross_backend.py save-then-check`): each saves, then checks every backend's
+files once all three have saved.
 
 Each backend saves a model holding our layer and the keras.io-style classifier on the
 built-in layer. Each backend then loads every backend's files with `safe_mode=True`
@@ -24,41 +25,45 @@ TESTS = Path(__file__).resolve().parent
 SCRIPT = TESTS / "cross_backend.py"
 
 
-def _start(backend, *args):
+def _start(backend, folder):
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS)])
     env["PYTHONWARNINGS"] = "ignore"
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *map(str, args)],
+    log = open(folder.with_suffix(".log"), "w+")  # not a pipe: it could fill unread
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "save-then-check", str(folder)],
         cwd=TESTS.parent,
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
     )
+    return process, log
 
 
-def _finish(process, what):
-    out, err = process.communicate(timeout=900)
-    assert process.returncode == 0, f"{what} failed:\n{err[-3000:]}"
+def _finish(started, what, stdin=None):
+    process, log = started
+    out, _ = process.communicate(stdin, timeout=900)
+    log.seek(0)
+    assert process.returncode == 0, f"{what} failed:\n{log.read()[-3000:]}"
     return out
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def results(tmp_path_factory):
+    """Each backend's process saves into its folder and prints `SAVED`; once all three
+    have, each is given the three folders to check."""
     root = tmp_path_factory.mktemp("cross_backend")
-    processes = {b: _start(b, "save", root / b) for b in BACKENDS}
-    for backend, process in processes.items():
-        _finish(process, f"saving under {backend}")
-    return [root / b for b in BACKENDS]
-
-
-@pytest.fixture(scope="module")
-def results(saved):
-    processes = {b: _start(b, "check", *saved) for b in BACKENDS}
+    folders = [root / b for b in BACKENDS]
+    started = {b: _start(b, folder) for b, folder in zip(BACKENDS, folders)}
+    for backend, (process, _) in started.items():
+        if process.stdout.readline().strip() != "SAVED":
+            _finish(started[backend], f"saving under {backend}")
+            pytest.fail(f"saving under {backend} ended without SAVED")
     results = {}
-    for backend, process in processes.items():
-        out = _finish(process, f"checking under {backend}")
+    for backend, begun in started.items():
+        out = _finish(begun, f"checking under {backend}", json.dumps(list(map(str, folders))))
         line = next(line for line in out.splitlines() if line.startswith("RESULTS "))
         results[backend] = json.loads(line[len("RESULTS ") :])
     return results
@@ -81,4 +86,5 @@ def test_builtin_model_saved_under_source_swaps_and_compares_under_target(result
     builtin = results[target][source]["builtin"]
     assert builtin["passed"] is True and builtin["swap_passed"] is True, builtin
     assert builtin["max_abs_diff"] <= 1e-4 and builtin["grad_max_abs_diff"] <= 1e-4, builtin
+    assert builtin["input_cases"] == ["padded", "unpadded"]
     assert builtin["swapped_classes"] == [True, True]
