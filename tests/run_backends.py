@@ -46,22 +46,24 @@ def _backend_importable(backend):
 # (programs that compile in under 0.1 s, most eager ops, are not worth the writing).
 # It locks its files (a size limit turns the locking on): processes share it safely.
 # Not for the notebooks: their training cells run long enough that unoptimised code
-# costs more than it saves (notebook 07: 89 -> 165 s). They get the cache alone, for
-# every program (`_cache_env(cache_dir, 0)`): notebook 06's `keras-mha compare` child
-# then reads the eager ops its `keras-mha swap` child compiled (notebook 06: 93 -> 60 s).
-# (Every program in the test runs costs more than it saves there: test_layer and
+# costs more than it saves (notebook 07: 89 -> 165 s). They get a cache alone, for
+# every program, in a folder of their own with no size limit (so no eviction and no
+# locking, which the thousands of eager ops notebook 07 writes made slow: 07 took 117 s
+# in the shared, limited cache): notebook 06's `keras-mha compare` child then reads the
+# eager ops its `keras-mha swap` child compiled (notebook 06: 93 -> 60 s). (Every
+# program in the test runs costs more than it saves there: test_layer and
 # test_layer_features on JAX 82 -> 91 s.)
 def _fast_compile_env(cache_dir):
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
     return {"XLA_FLAGS": flags.strip(), **_cache_env(cache_dir, 0.1)}
 
 
-def _cache_env(cache_dir, min_compile_seconds):
+def _cache_env(cache_dir, min_compile_seconds, max_size=4 << 30):
     return {
         "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(min_compile_seconds),
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(max_size),
     }
 
 
@@ -154,7 +156,7 @@ def main():
             print(f"{label:>22}: NOT INSTALLED ({' '.join(why)})  [FAILED]", flush=True)
             return False, {"passed": 0, "failed": 1, "skipped": 0}
         if label.startswith("notebooks"):
-            env = _cache_env(cache_dir, 0)
+            env = _cache_env(os.path.join(cache_dir, "notebooks"), 0, max_size=-1)
         else:
             env = _fast_compile_env(cache_dir)
         return _run_pytest(label, backend, pytest_args, env)
