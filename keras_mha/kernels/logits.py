@@ -66,6 +66,8 @@ def softmax(x, mask, axes, sinks=None, logsumexp=False):
         total = total + ops.exp(sinks - peak)
     has_keys = ops.greater(total, 0.0)
     total = ops.where(has_keys, total, 1.0)
+    if not logsumexp:
+        return weights / total, None
     return weights / total, ops.where(has_keys, peak + ops.log(total), NO_KEYS)
 
 
