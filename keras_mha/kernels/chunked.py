@@ -334,9 +334,14 @@ class _Block:
 def _forward_chunk(block):
     """`(output, logsumexp)` of one chunk: `(B, N, q, Hv)` float32, `(B, N, q, 1)`."""
     x, mask, _ = block.logits()
-    weights, logsumexp = logits_lib.softmax(x, mask, (-1,), block.inputs.sink, logsumexp=True)
+    weights, logsumexp = logits_lib.softmax(
+        x, mask, (-1,), block.inputs.sink, logsumexp=True, zero_rows=False
+    )
     weights = ops.cast(block.dropped(weights), block.inputs.v.dtype)
-    return ops.cast(ops.matmul(weights, block.values()), "float32"), logsumexp
+    output = ops.cast(ops.matmul(weights, block.values()), "float32")
+    if mask is not None:  # a key-less row's weights were left as they came
+        output = ops.where(ops.any(mask, axis=-1, keepdims=True), output, 0.0)
+    return output, logsumexp
 
 
 def _forward_blocks(plan, inputs, start, size):
@@ -462,9 +467,9 @@ def _backward_chunk(block, d_out, correction, logsumexp, sink=True):
     derivative (what the bias receives); `d_sink` `None` unless `sink`."""
     inputs = block.inputs
     x, mask, squashed = block.logits()
+    if mask is not None:  # masked weights underflow to 0; a key-less row's too (NO_KEYS)
+        x = x + logits_lib.mask_bias(mask)
     weights = ops.exp(x - logsumexp)
-    if mask is not None:
-        weights = ops.where(mask, weights, 0.0)
     values = block.values()
     d_value = _matmul_t(block.dropped(weights), d_out, inputs.v.dtype)
     d_weights = block.dropped(_matmul(d_out, ops.transpose(values, (0, 1, 3, 2))))

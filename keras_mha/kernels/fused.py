@@ -125,7 +125,7 @@ class _Kernel:
 
     def __call__(self, query, key, value, mask, valid, is_causal, bias):
         if bias is not None and mask is not None:  # the kernels take one of them
-            bias = ops.cast(bias, "float32") + ops.where(mask, 0.0, logits_lib.MASKED)
+            bias = ops.cast(bias, "float32") + logits_lib.mask_bias(mask)
             mask = None
         if backend.backend() == "torch" and not self.flash:
             output = _torch_attention(

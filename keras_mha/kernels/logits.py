@@ -42,21 +42,27 @@ def sink_logits(sinks, rank, heads_axis):
     return ops.reshape(ops.cast(sinks, "float32"), shape)
 
 
-def softmax(x, mask, axes, sinks=None, logsumexp=False):
+def softmax(x, mask, axes, sinks=None, logsumexp=False, zero_rows=True):
     """Float32 masked softmax over `axes`, with optional sink logits in the
     denominator; masked entries and key-less rows get weight 0.
 
-    Returns `(weights, logsumexp)`, the logsumexp keeping `axes` as 1s, or `None`
-    unless asked for (`logsumexp=True`: the chunked kernel, whose backward needs it).
+    The mask is added to the logits as a bias (`mask_bias`): a masked entry's weight
+    underflows to exactly 0 in every row that has a key to attend to.
+
+    Returns `(weights, logsumexp)`, the logsumexp keeping `axes` as 1s (`NO_KEYS` for
+    a key-less row), or `None` unless asked for (`logsumexp=True`: the chunked
+    kernel, whose backward needs it). With `zero_rows=False` the weights of a
+    key-less row are left as they come and the caller zeroes what they produce by
+    the mask's rows, one value per row instead of a pass over every weight.
     """
     if mask is not None:
-        x = ops.where(mask, x, MASKED)
+        x = x + mask_bias(mask)
     if sinks is None and len(axes) == 1 and len(x.shape) <= 5 and x.shape[axes[0]] != 1:
         # The backends' fused softmax: one pass (TensorFlow's CPU kernel takes rank <= 5).
         weights = ops.softmax(x, axis=axes[0])
-        if mask is not None:  # masked entries, and every entry of a key-less row
+        if mask is not None and zero_rows:  # every entry of a key-less row
             weights = ops.where(mask, weights, 0.0)
-        return weights, _logsumexp(x, mask, axes) if logsumexp else None
+        return weights, _logsumexp(x, mask is not None, axes) if logsumexp else None
     peak = ops.stop_gradient(_peak(x, axes, sinks))
     weights = ops.exp(x - peak)
     if mask is not None:
@@ -71,19 +77,26 @@ def softmax(x, mask, axes, sinks=None, logsumexp=False):
     return weights / total, ops.where(has_keys, peak + ops.log(total), NO_KEYS)
 
 
+def mask_bias(mask):
+    """A boolean mask as float32 logits to add, at the mask's own (broadcast) shape:
+    0 where it holds, `MASKED` where it does not."""
+    return ops.where(mask, ops.zeros((), "float32"), ops.full((), MASKED, "float32"))
+
+
 def _peak(x, axes, sinks):
     peak = ops.max(x, axis=axes, keepdims=True, initial=MASKED)
     return peak if sinks is None else ops.maximum(peak, sinks)
 
 
-def _logsumexp(x, mask, axes):
-    """Per-row logsumexp of masked logits `x`; `NO_KEYS` for a row with no key."""
+def _logsumexp(x, masked, axes):
+    """Per-row logsumexp of logits `x`, masked entries at `MASKED` plus their logit
+    (`masked`); `NO_KEYS` for a row with no key, whose largest logit is one of those."""
     peak = _peak(x, axes, None)
     total = ops.sum(ops.exp(x - peak), axis=axes, keepdims=True)
     logsumexp = peak + ops.log(total)
-    if mask is None:
+    if not masked:
         return logsumexp
-    return ops.where(ops.any(mask, axis=axes, keepdims=True), logsumexp, NO_KEYS)
+    return ops.where(ops.greater(peak, MASKED / 2), logsumexp, NO_KEYS)
 
 
 # ------------------------------------------------------------------------- dropout
