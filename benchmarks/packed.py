@@ -13,13 +13,13 @@ in all, a fixed seed) go through one attention layer's train step
 - `ours one by one`: ours on each document alone (B=1, its own length).
 
 Each way runs in a fresh process per backend: a warm-up pass over all its steps (every
-shape compiled), then a timed pass. Reported: real (non-padding) tokens per second
-and the growth of peak RSS over the process's baseline, taken after one step on the
-first step's first 64 positions (`ru_maxrss`; on a GPU, the backend's peak device
-memory where it reports one). The
-targets (issue 31): ours packed >= 2x the built-in padded in tokens/s, peak memory
-<= 0.1x the built-in packed dense, and ours packed within 1.3x the time of ours one
-by one.
+shape compiled), then three timed passes (`--passes`), whose median counts (a way's time
+varies from pass to pass). Reported: real (non-padding) tokens per second and the
+growth of peak RSS over the process's baseline, taken after one step on the first
+step's first 64 positions (`ru_maxrss`; on a GPU, the backend's peak device memory
+where it reports one). The targets (issue 31): ours packed >= 2x the built-in padded in
+tokens/s, peak memory <= 0.1x the built-in packed dense, and ours packed within 1.3x
+the time of ours one by one.
 
     .venv/bin/python benchmarks/packed.py                  # every backend, writes results
     .venv/bin/python benchmarks/packed.py --dry-run        # toy sizes, checks it runs
@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ BACKENDS = ("tensorflow", "jax", "torch")
 WAYS = ("ours packed", "builtin padded", "builtin packed dense", "ours one by one")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FULL = dict(tokens=65_536, median=300, cap=4096, length=4096, dim=256, heads=4, batch=8)
+PASSES = 3  # timed passes over the steps per way; the median counts
 SMALL = 64  # positions of the step that sets the memory baseline
 TOY = dict(tokens=2_048, median=30, cap=256, length=256, dim=32, heads=2, batch=4)
 
@@ -163,8 +165,9 @@ def _device_peak_mib():
     return None
 
 
-def measure(way, sizes):
-    """One way's tokens/s and peak memory growth, in this process."""
+def measure(way, sizes, passes=PASSES):
+    """One way's tokens/s (the median of `passes` timed passes over its steps) and peak
+    memory growth, in this process."""
     import keras
     import numpy as np
 
@@ -180,16 +183,20 @@ def measure(way, sizes):
     baseline = _peak_mib()
     for (inputs, weights), target in zip(steps, targets):  # warm-up: every shape
         model.train_on_batch(inputs, target, sample_weight=weights)
-    start = time.perf_counter()
-    for (inputs, weights), target in zip(steps, targets):
-        model.train_on_batch(inputs, target, sample_weight=weights)
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        for (inputs, weights), target in zip(steps, targets):
+            model.train_on_batch(inputs, target, sample_weight=weights)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     return {
         "way": way,
         "backend": keras.backend.backend(),
         "steps": len(steps),
         "tokens": tokens,
         "seconds": seconds,
+        "pass_seconds": times,
         "tokens_per_s": tokens / seconds,
         "peak_growth_mib": _peak_mib() - baseline,
         "device_peak_mib": _device_peak_mib(),
@@ -202,11 +209,12 @@ def _head(x, n):
     return x[:, :, :n] if x.ndim == 3 and x.dtype == bool else x
 
 
-def _run_child(backend, way, sizes):
+def _run_child(backend, way, sizes, passes=PASSES):
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     command = [sys.executable, __file__, "--child", way, "--sizes", json.dumps(sizes)]
+    command += ["--passes", str(passes)]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         return {"way": way, "backend": backend, "error": done.stderr[-2000:]}
@@ -270,13 +278,17 @@ def main(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="toy sizes; writes nothing")
     parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--passes", type=int, default=PASSES, help="timed passes per way; the median counts"
+    )
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child, json.loads(args.sizes))))
+        print(json.dumps(measure(args.child, json.loads(args.sizes), args.passes)))
         return 0
     sizes = TOY if args.dry_run else FULL
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    records = [_run_child(b, way, sizes) for b in args.backends for way in WAYS]
+    passes = 1 if args.dry_run else args.passes
+    records = [_run_child(b, way, sizes, passes) for b in args.backends for way in WAYS]
     for record in records:
         record["date"] = now
     if not args.dry_run:
@@ -291,6 +303,7 @@ def main(argv=None):
             "date": now,
             "machine": platform.platform(),
             "sizes": sizes,
+            "passes": passes,
         }
         with open(os.path.join(RESULTS, "packed.json"), "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1)
