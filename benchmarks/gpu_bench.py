@@ -27,6 +27,11 @@ from pathlib import Path
 
 FULL = dict(batch=4, length=4096, dim=1024, heads=16, matmul=8192, warmup=3, repeats=10)
 DRY = dict(batch=2, length=128, dim=64, heads=4, matmul=256, warmup=1, repeats=2)
+# Padded + causal, long: token ids through `Embedding(mask_zero=True)`, row b keeping its
+# first T * (8 - b) / 8 tokens (rows of different lengths), `use_causal_mask=True`.
+LONG = dict(batch=4, lengths=(8192, 16384, 32768), dim=1024, heads=16, warmup=1, repeats=3)
+LONG_DRY = dict(batch=2, lengths=(128, 256), dim=64, heads=4, warmup=1, repeats=1)
+VOCABULARY = 1000
 TARGET_RATIO = 1.0  # ours / built-in time, on torch and jax
 TARGET_MATMUL_FRACTION = 0.40  # forward TFLOP/s / measured bf16 matmul TFLOP/s
 
@@ -194,15 +199,174 @@ def _time_layer(backend, layer, x, y, sizes, flops):
         sizes["warmup"],
         sizes["repeats"],
     )
-    return {
+    row = {
         "forward_ms": forward_s * 1e3,
         "train_step_ms": train_s * 1e3,
         "forward_tflops": flops / forward_s / 1e12,
         "train_tflops": 3 * flops / train_s / 1e12,
     }
+    _progress(layer.__class__.__module__, row)
+    return row
 
 
-def run(dry_run):
+def _progress(label, row):
+    """One case's result on stderr as soon as it is known (a run cut short keeps it)."""
+    print(label, json.dumps(row), file=sys.stderr, flush=True)
+
+
+def _peak_memory_start(backend):
+    """Torch: resets the peak and returns the bytes held now (JAX reads its plan)."""
+    if backend != "torch":
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():  # a dry run on CPU
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _peak_memory_mib(backend, start, compiled=None):
+    """Peak bytes above `start` (torch, measured), or XLA's buffer plan for the
+    compiled step (JAX: its temporaries and outputs), in MiB."""
+    if backend == "torch":
+        import torch
+
+        if not torch.cuda.is_available():
+            return float("nan")  # a dry run on CPU
+        return (torch.cuda.max_memory_allocated() - start) / 2**20
+    analysis = compiled.memory_analysis()
+    return (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / 2**20
+
+
+def _padded_tokens(batch, length):
+    """Token ids `(batch, length)`: row b keeps its first `length * (8 - b) / 8`."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, VOCABULARY, size=(batch, length)).astype("int32")
+    kept = [length * (8 - b) // 8 for b in range(batch)]
+    for row, n in enumerate(kept):
+        tokens[row, n:] = 0
+    return tokens, kept
+
+
+def _long_model(layer, dim):
+    import keras
+
+    tokens = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(VOCABULARY, dim, mask_zero=True)(tokens)
+    model = keras.Model(tokens, layer(x, x, use_causal_mask=True))
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    return model
+
+
+def _long_steps(backend, model, tokens, target):
+    """`(forward, train_step, compiled)`: callables of no argument; `compiled` maps
+    "forward"/"train" to the compiled JAX executables (for their memory plans)."""
+    if backend != "jax":
+        import torch
+
+        def forward():
+            with torch.no_grad():
+                return model(tokens, training=False)
+
+        return forward, lambda: model.train_on_batch(tokens, target, return_dict=False), {}
+    import jax
+    import jax.numpy as jnp
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def forward_fn(t, n, x):
+        return model.stateless_call(t, n, x)[0]
+
+    def train_fn(t, n, x, y):
+        def loss(t):
+            out = model.stateless_call(t, n, x, training=True)[0]
+            return jnp.mean(jnp.square(out.astype("float32") - y))
+
+        grads = jax.grad(loss)(t)
+        return [w - 1e-3 * g.astype(w.dtype) for w, g in zip(t, grads)]
+
+    compiled = {
+        "forward": jax.jit(forward_fn).lower(trainable, non_trainable, tokens).compile(),
+        "train": jax.jit(train_fn).lower(trainable, non_trainable, tokens, target).compile(),
+    }
+    return (
+        lambda: compiled["forward"](trainable, non_trainable, tokens),
+        lambda: compiled["train"](trainable, non_trainable, tokens, target),
+        compiled,
+    )
+
+
+def long_flops(kept, dim, heads):
+    """Useful forward FLOPs: 4 projections over every token, `QK^T` and `AV` over the
+    (query, key) pairs causality and padding leave visible."""
+    head = dim // heads
+    pairs = sum(n * (n + 1) // 2 for n in kept)
+    return 4 * 2 * len(kept) * max(kept) * dim * dim + 2 * 2 * heads * head * pairs
+
+
+def _long_case(backend, make, sizes, length, rate):
+    """One layer at one length: times, peak memory and matmul fraction, or the error
+    (out of memory) that stopped it."""
+    import gc
+
+    import keras
+
+    tokens, kept = _padded_tokens(sizes["batch"], length)
+    target = keras.random.normal((sizes["batch"], length, sizes["dim"]), seed=1)
+    flops = long_flops(kept, sizes["dim"], sizes["heads"])
+    row, model = {}, None
+    try:
+        model = _long_model(make(), sizes["dim"])
+        forward, train, compiled = _long_steps(backend, model, tokens, target)
+        for step, fn, factor in (("forward", forward, 1), ("train", train, 3)):
+            start = _peak_memory_start(backend)
+            seconds = _time(backend, fn, sizes["warmup"], sizes["repeats"])
+            row[f"{step}_ms"] = seconds * 1e3
+            row[f"{step}_peak_mib"] = _peak_memory_mib(backend, start, compiled.get(step))
+            row[f"{step}_fraction_of_matmul"] = factor * flops / seconds / 1e12 / rate
+    except Exception as error:  # out of memory, above all: recorded, not fatal
+        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    finally:
+        model = forward = train = compiled = None
+        gc.collect()
+        if backend == "torch":
+            import torch
+
+            torch.cuda.empty_cache()
+    _progress(f"T={length}", row)
+    return row
+
+
+def run_long(backend, dry_run, rate):
+    """Padded + causal calls at every length of `LONG`, ours and the built-in."""
+    import keras
+
+    import keras_mha
+
+    sizes = LONG_DRY if dry_run else LONG
+    heads, key_dim = sizes["heads"], sizes["dim"] // sizes["heads"]
+    layers = {
+        "keras_mha (auto)": lambda: keras_mha.MultiHeadAttention(heads, key_dim),
+        "keras.layers.MultiHeadAttention": lambda: keras.layers.MultiHeadAttention(heads, key_dim),
+    }
+    return {
+        "sizes": sizes,
+        "results": {
+            str(length): {
+                label: _long_case(backend, make, sizes, length, rate)
+                for label, make in layers.items()
+            }
+            for length in sizes["lengths"]
+        },
+    }
+
+
+def run(dry_run, long=True):
     import keras
 
     import keras_mha
@@ -237,6 +401,7 @@ def run(dry_run):
     return {
         "backend": backend,
         "dry_run": dry_run,
+        "long": run_long(backend, dry_run, rate) if long else None,
         "gpu": name,
         "nvidia_smi": nvidia_smi(),
         "versions": versions(backend),
@@ -254,6 +419,42 @@ def _junit_summary(path):
     total, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
     failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
     return f"{total - failed - skipped} passed, {failed} failed, {skipped} skipped"
+
+
+def _long_report(long):
+    """Markdown lines for `run_long`'s results, or none."""
+    if not long:
+        return []
+    s = long["sizes"]
+    lines = [
+        "",
+        f"Padded + causal, B={s['batch']}, dim {s['dim']}, {s['heads']} heads, mixed_bfloat16: "
+        "token ids through `Embedding(mask_zero=True)`, row b keeping its first T(8-b)/8 "
+        "tokens. Peak memory: torch's `max_memory_allocated` above the step's start; JAX: "
+        "XLA's buffer plan for the compiled step (temporaries + outputs). Useful work: the "
+        "visible (query, key) pairs plus the projections; the train step counted as 3x.",
+        "",
+        "| T | layer | forward ms | forward peak MiB | fwd / matmul rate | train ms "
+        "| train peak MiB | train / matmul rate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for length, by_layer in long["results"].items():
+        for label, row in by_layer.items():
+            if "error" in row and "forward_ms" not in row:
+                lines.append(f"| {length} | {label} | {row['error'][:60]} | | | | | |")
+                continue
+            cells = []
+            for step in ("forward", "train"):
+                if f"{step}_ms" in row:
+                    cells += [
+                        f"{row[f'{step}_ms']:.1f}",
+                        f"{row[f'{step}_peak_mib']:.0f}",
+                        f"{row[f'{step}_fraction_of_matmul']:.0%}",
+                    ]
+                else:
+                    cells += [row.get("error", "-")[:60], "", ""]
+            lines.append(f"| {length} | {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def report(raw, backends):
@@ -311,6 +512,7 @@ def report(raw, backends):
             f"Targets (ours, auto: <= {TARGET_RATIO:.1f}x the built-in, forward >= "
             f"{TARGET_MATMUL_FRACTION:.0%} of the matmul rate): {verdict}.",
         ]
+        lines += _long_report(run_.get("long"))
     missing = [b for b in backends if b not in runs]
     if missing:
         lines += ["", f"Not benchmarked (not installed or no run): {', '.join(missing)}."]
@@ -327,13 +529,16 @@ def main():
     run_parser = sub.add_parser("run", help="time the session's backend")
     run_parser.add_argument("--dry-run", action="store_true", help="tiny sizes, any device")
     run_parser.add_argument("--out", help="JSON file (default: stdout)")
+    run_parser.add_argument(
+        "--no-long", action="store_true", help="skip the long padded + causal calls"
+    )
     report_parser = sub.add_parser("report", help="write the markdown report")
     report_parser.add_argument("--raw", required=True, help="folder of bench-*.json, tests-*.xml")
     report_parser.add_argument("--backends", nargs="+", default=["torch", "jax", "tensorflow"])
     report_parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.command == "run":
-        text = json.dumps(run(args.dry_run), indent=2)
+        text = json.dumps(run(args.dry_run, long=not args.no_long), indent=2)
         if args.out:
             Path(args.out).write_text(text + "\n")
         print(text)

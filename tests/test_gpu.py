@@ -77,6 +77,11 @@ def _masks(kind, batch, length):
         "causal": {"use_causal_mask": True},
         "padding": {"query_mask": padding, "value_mask": padding},
         "causal_padding": {"use_causal_mask": True, "value_mask": padding},
+        "causal_keras_padding": {
+            "use_causal_mask": True,
+            "query_mask": padding,
+            "value_mask": padding,
+        },
     }[kind]
 
 
@@ -172,13 +177,20 @@ def _kernels_that_ran(layer, x, **call_kwargs):
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities, record_shapes=True) as prof:
             output = layer(x, x, **call_kwargs)
             torch.cuda.synchronize()
         events = prof.events()
         ops_ran = {e.name for e in events if e.name.startswith("aten::")}
         gpu_kernels = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA}
-        return output, (ops_ran, gpu_kernels)
+        # The shape of each `scaled_dot_product_attention` call's `attn_mask` ([] if none).
+        masks = [
+            list(e.input_shapes[3])
+            for e in events
+            if e.name == "aten::scaled_dot_product_attention" and len(e.input_shapes) > 3
+        ]
+        return output, (ops_ran, gpu_kernels, masks)
     if BACKEND == "jax":
         import jax
 
@@ -199,7 +211,7 @@ def _kernels_that_ran(layer, x, **call_kwargs):
 
 def _assert_fused(evidence):
     if BACKEND == "torch":
-        ops_ran, gpu_kernels = evidence
+        ops_ran, gpu_kernels, _ = evidence
         assert ops_ran & set(TORCH_FUSED_OPS), sorted(ops_ran)
         assert any(TORCH_FUSED_KERNEL.search(name) for name in gpu_kernels), sorted(gpu_kernels)
     else:
@@ -208,7 +220,7 @@ def _assert_fused(evidence):
 
 def _assert_not_fused(evidence):
     if BACKEND == "torch":
-        ops_ran, gpu_kernels = evidence
+        ops_ran, gpu_kernels, _ = evidence
         assert not ops_ran & set(TORCH_FUSED_OPS), sorted(ops_ran)
         assert not any(TORCH_FUSED_KERNEL.search(name) for name in gpu_kernels)
     else:
@@ -226,16 +238,30 @@ def test_fused_kernel_runs_where_eligible(implementation, mask):
     np.testing.assert_allclose(_numpy(output), _numpy(explicit(x, x, **kwargs)), **BF16)
 
 
-@pytest.mark.parametrize("reason", ["dropout_in_training", "scores_requested", "causal_padding"])
+@pytest.mark.parametrize("mask", ["causal_padding", "causal_keras_padding"])
+def test_causal_padding_runs_the_fused_kernel_without_a_dense_mask(mask):
+    """Causality with key padding: the fused kernel runs on chunks of queries, each
+    with its own mask block. Right-padded, with the padded queries masked too (a Keras
+    mask), causality alone hides the padded keys: a torch call (eager) takes the
+    kernel whole with `is_causal` and no mask at all."""
+    layer, x = _fused_layer()
+    kwargs = _masks(mask, FUSED_SHAPE[0], FUSED_SHAPE[1])
+    output, evidence = _kernels_that_ran(layer, x, **kwargs)
+    _assert_fused(evidence)
+    if BACKEND == "torch":
+        masks = evidence[2]
+        assert masks and all(len(m) == 0 for m in masks) == (mask == "causal_keras_padding")
+    explicit = _copy(layer, x, implementation="explicit")
+    np.testing.assert_allclose(_numpy(output), _numpy(explicit(x, x, **kwargs)), **BF16)
+
+
+@pytest.mark.parametrize("reason", ["dropout_in_training", "scores_requested"])
 def test_falls_back_where_not_eligible(reason):
-    """Dropout and causality with padding take the lean chunked kernel (the fused
-    ones would need a dense (T, S) mask or their own RNG); scores the explicit one."""
+    """Dropout takes the lean chunked kernel (the fused ones would need their own
+    RNG); scores the explicit one."""
     if reason == "dropout_in_training":
         layer, x = _fused_layer(implementation="fused", dropout=0.5, seed=1)
         kwargs = {"training": True}
-    elif reason == "causal_padding":
-        layer, x = _fused_layer(implementation="fused")
-        kwargs = _masks(reason, FUSED_SHAPE[0], FUSED_SHAPE[1])
     else:
         layer, x = _fused_layer(implementation="fused")
         kwargs = {"return_attention_scores": True}

@@ -655,4 +655,5 @@ def test_policy_table_covers_every_backend():
         entry = kernels.policy.POLICIES[(name, "cpu")]
         assert entry.kernel in kernels.IMPLEMENTATIONS
         assert entry.chunk_size > 0
-    assert kernels.policy.current() == kernels.policy.POLICIES[(BACKEND, "cpu")]
+    device = kernels.policy._device(BACKEND)
+    assert kernels.policy.current() == kernels.policy.POLICIES[(BACKEND, device)]

@@ -4,7 +4,7 @@ and backward, against the float64 reference."""
 
 import numpy as np
 import pytest
-from helpers import BACKEND, to_numpy
+from helpers import BACKEND, leaf, to_numpy
 from keras import ops
 from reference import reference_attention
 
@@ -43,6 +43,20 @@ CUTS = [
         masks.AttentionMask(query_valid=_valid([9, 6], 12), key_valid=_valid([9, 6], 12)),
         (2, 12, 12),
         (9, 9, True, True),
+    ),
+    (
+        "rows of two lengths, padded + causal: causality hides the key padding",
+        masks.AttentionMask(
+            query_valid=_valid([9, 6], 12), key_valid=_valid([9, 6], 12), causal=True
+        ),
+        (2, 12, 12),
+        (9, 9, True, False),
+    ),
+    (
+        "causal, keys padded alone: a padded query would see padded keys, kept",
+        masks.AttentionMask(key_valid=_valid([9, 6], 12), causal=True),
+        (2, 12, 12),
+        (12, 9, False, True),
     ),
     (
         "cross-attention, keys padded only",
@@ -100,6 +114,11 @@ def test_nothing_is_cut_where_nothing_can_be():
     # A decoding offset given as a tensor: not cut.
     offset = ops.convert_to_tensor(np.int32(0))
     assert _cut(masks.AttentionMask(query_valid=_valid([4], 12), offset=offset), 1, 12, 12) is None
+    # Left padding: causality hides no padded key, and nothing trails.
+    left = np.arange(12)[None, :] >= np.array([[3]])
+    assert (
+        _cut(masks.AttentionMask(query_valid=left, key_valid=left, causal=True), 1, 12, 12) is None
+    )
     # No query sees a key: left to the kernels' own empty rows.
     assert _cut(masks.AttentionMask(key_valid=_valid([0], 12)), 1, 12, 12) is None
 
@@ -123,9 +142,11 @@ def test_a_torch_trace_is_never_cut():
     assert seen[0] is None  # the tracing call (the trace's check then runs it eagerly)
 
 
-def test_a_padded_causal_row_reaches_the_fused_kernel_whole():
-    """The cut leaves causality alone, which the fused kernel takes with `is_causal`."""
-    mask, sizes, _ = CUTS[0][1:]
+@pytest.mark.parametrize("case", [0, 2], ids=["one row", "rows of two lengths"])
+def test_a_padded_causal_call_reaches_the_fused_kernel_whole(case):
+    """The cut leaves causality alone (and the query padding, which only zeroes rows),
+    which the fused kernel takes with `is_causal`."""
+    mask, sizes, _ = CUTS[case][1:]
     cut = _cut(mask, *sizes)
     assert not fused._takes_whole(mask, None)
     assert fused._takes_whole(cut.mask, None)
@@ -153,11 +174,9 @@ def _eager_value_and_grads(fn, arrays):
             loss = tf.reduce_sum(out * weights)
         return to_numpy(out), [to_numpy(g) for g in tape.gradient(loss, tensors)]
     if BACKEND == "torch":
-        import torch
-
-        tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
+        tensors = [leaf(a) for a in arrays]
         out = fn(*tensors)
-        (out * torch.tensor(weights)).sum().backward()
+        (out * ops.convert_to_tensor(weights)).sum().backward()
         return to_numpy(out), [to_numpy(t.grad) for t in tensors]
     import jax
 
@@ -195,6 +214,12 @@ CALLS = {
     "one row, padded + causal": (
         masks.AttentionMask(query_valid=_valid([5], 7), key_valid=_valid([5], 7), causal=True),
         (1, 7, 7),
+    ),
+    "two rows, padded + causal": (
+        masks.AttentionMask(
+            query_valid=_valid([5, 3], 7), key_valid=_valid([5, 3], 7), causal=True
+        ),
+        (2, 7, 7),
     ),
     "two rows, padded + window": (
         masks.AttentionMask(query_valid=_valid([5, 3], 7), key_valid=_valid([5, 3], 7), window=2),

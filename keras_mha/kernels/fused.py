@@ -51,7 +51,7 @@ def _takes_whole(mask, bias):
         return False
     if mask.causal:  # `is_causal` takes no other mask or bias
         return mask.key_valid is None and mask.dense is None and bias is None
-    return True
+    return mask.key_valid is None or policy.current().fused_key_padding
 
 
 def _whole_mask(mask):

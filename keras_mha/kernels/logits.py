@@ -84,7 +84,18 @@ def mask_bias(mask):
 
 
 def _peak(x, axes, sinks):
-    peak = ops.max(x, axis=axes, keepdims=True, initial=MASKED)
+    """Each row's largest logit, and at least `MASKED`."""
+    shape = tuple(x.shape)
+    if not all(isinstance(size, int) for size in shape):
+        # A key range that may be empty (a graph loop's): `initial` keeps it defined.
+        peak = ops.max(x, axis=axes, keepdims=True, initial=MASKED)
+    elif all(shape):
+        # Not `initial`: Keras's torch `max` builds it on the CPU (3.15), and a call on
+        # the GPU fails.
+        peak = ops.maximum(ops.max(x, axis=axes, keepdims=True), MASKED)
+    else:  # nothing to reduce: an empty batch or key range
+        reduced = {axis % len(shape) for axis in axes}
+        peak = ops.full([1 if i in reduced else n for i, n in enumerate(shape)], MASKED, x.dtype)
     return peak if sinks is None else ops.maximum(peak, sinks)
 
 

@@ -54,6 +54,10 @@ class Policy:
             computes float16 logits, which overflow; JAX's asks for float32
             accumulation, which XLA on CPU rejects under `jax.jit`. Elsewhere the
             fused kernel gets float32 copies.
+        fused_key_padding: the fused kernel takes a key-padding mask `(B, 1, 1, S)`
+            whole. JAX's cuDNN kernel does not (`tests/test_gpu.py`: XLA's plain
+            math, with its whole `B x N x T x S` scores, ran instead); it takes a
+            mask built per chunk of queries, so padding goes by chunks there.
     """
 
     kernel: str
@@ -66,6 +70,7 @@ class Policy:
     trains: bool = True
     in_place_bias: bool = False
     fused_float16: bool = False
+    fused_key_padding: bool = True
 
 
 # (backend, device) -> Policy. The measurements behind each entry are in
@@ -76,7 +81,9 @@ POLICIES = {
     ),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
     ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
-    ("jax", "gpu"): Policy("fused", chunk_size=512, loop=True, fused_float16=True),
+    ("jax", "gpu"): Policy(
+        "fused", chunk_size=512, loop=True, fused_float16=True, fused_key_padding=False
+    ),
     ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
     ("torch", "gpu"): Policy("fused", chunk_size=512, in_place_bias=True, fused_float16=True),
     ("numpy", "cpu"): Policy("explicit", trains=False),

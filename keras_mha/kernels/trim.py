@@ -8,7 +8,9 @@ query may see, are cut off before the kernel runs; the output gets zero rows bac
 the cut queries (a padded query attends to nothing), and their gradients are zero.
 A padding mask that the cut leaves all True goes: a padded causal call of one row
 becomes a plain causal call, which the backends' fused kernels take with `is_causal`
-and their own causal block skipping.
+and their own causal block skipping. So does a key padding that causality already
+hides from every query left unpadded (right-padded causal self-attention, rows of any
+lengths): the padded queries' rows are zeroed as before.
 
 Compiled calls (a traced graph, `jax.jit`, an export) keep their static shapes; the
 chunked kernel skips blocks at run time there itself.
@@ -74,6 +76,8 @@ def cut(query, key, mask, *, dropout):
         query_segments=_ids(mask.query_segments, queries),
         key_segments=_ids(mask.key_segments, keys),
     )
+    if _hidden_by_causality(kept):
+        kept = dataclasses.replace(kept, key_valid=None)
     dropped = (mask.query_valid is not None and kept.query_valid is None) or (
         mask.key_valid is not None and kept.key_valid is None
     )
@@ -94,6 +98,25 @@ def _kept(length, valid, segments):
         return length
     positions = ops.arange(1, length + 1, dtype="int32")
     return int(ops.max(ops.where(ops.any(kept, axis=0), positions, 0)))
+
+
+def _hidden_by_causality(mask):
+    """Whether causality alone already hides every padded key from every kept query:
+    each row's keys are right-padded (a prefix of True), and each query past its row's
+    last key is padded too (its output is zeroed). A right-padded causal self-attention
+    (`Embedding(mask_zero=True)`) then needs no key mask: the fused kernels take it
+    with `is_causal`, rows of any lengths."""
+    if not mask.causal or mask.static_offset != 0:
+        return False
+    keys, queries = mask.key_valid, mask.query_valid
+    if keys is None or queries is None or keys.shape[1] == 1 or queries.shape[1] == 1:
+        return False
+    keys, queries = masks_lib.as_bool(keys), masks_lib.as_bool(queries)
+    lengths = ops.sum(ops.cast(keys, "int32"), axis=1, keepdims=True)
+    prefix = ops.all(ops.equal(keys, ops.arange(keys.shape[1], dtype="int32")[None] < lengths))
+    before = ops.arange(queries.shape[1], dtype="int32")[None] < lengths
+    covered = ops.all(ops.logical_or(ops.logical_not(queries), before))
+    return bool(ops.logical_and(prefix, covered))
 
 
 def _padding(valid, length):
