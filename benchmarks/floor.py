@@ -9,9 +9,11 @@ each); a train step's floor is 3x its forward. The rate is the best of 15 float3
 Workload (issue 30): B=1, T=S=8192, dim 256, 4 heads, self-attention on the output of
 `Embedding(1000, 256)`, through `predict_on_batch` / `train_on_batch` of a functional
 model. Padded + causal: `Embedding(mask_zero=True)` with the last quarter of the tokens
-padding (id 0), and `use_causal_mask=True`. Ours and the built-in (identical weights)
-alternate in rounds after a warm-up (`run._median_pairs`). Every backend runs in a child
-process of its own.
+padding (id 0), and `use_causal_mask=True`. Each layer runs in child processes of its own
+(a warm-up call, then the median of `--calls` timed calls, each after a call of the same
+step), ours and the built-in alternating in `--pairs` rounds: neither layer's time carries
+what the other left in its process (JAX's train step of ours took 1070-1641 ms right after
+the built-in's in one process, 775-794 ms alone).
 
 Also here: the sweep of time against T (1024 ... 32768, padded + causal, forward and
 train step, one call after a warm-up, a fresh process per point) with the floor beside
@@ -104,26 +106,28 @@ def _step(model, work, step):
     return lambda: model.train_on_batch(tokens, target)
 
 
-def case_worker(case, length, pairs):
+def case_worker(case, length, which, calls):
+    """One layer, one case, in a process of its own: a warm-up call, then the median of
+    `calls` timed calls, each after a call of the same step; the GEMM rate measured in
+    the same process."""
+    import statistics
+
     work, step = CASES[case]
     work = dataclasses.replace(work, length=length)
-    ours, builtin = _model("ours", work), _model("builtin", work)
-    builtin.set_weights(ours.get_weights())
-    functions = [_step(ours, work, step), _step(builtin, work, step)]
-    (o, b), spread = bench._median_pairs(functions, pairs, warmup=1)
+    run = _step(_model(which, work), work, step)
+    run()
+    seconds = []
+    for _ in range(calls):
+        run()
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
     rate = bench._matmul_flops_per_second()
-    floor = work.floor_flops(step) / rate
     return dict(
-        case=case,
-        length=length,
-        ours_ms=o * 1e3,
-        builtin_ms=b * 1e3,
-        ratio=o / b,
-        quartiles=spread,
+        ms=statistics.median(seconds) * 1e3,
+        calls_ms=[s * 1e3 for s in seconds],
         gemm_gflops=rate / 1e9,
-        floor_ms=floor * 1e3,
-        ours_floor=o / floor,
-        builtin_floor=b / floor,
+        floor_ms=work.floor_flops(step) / rate * 1e3,
     )
 
 
@@ -206,7 +210,7 @@ def decode_worker(pairs, cache_length, dim, heads, batch):
 
 def _child(args):
     if args.worker == "case":
-        result = case_worker(args.case, args.length, args.pairs)
+        result = case_worker(args.case, args.length, args.which, args.calls)
     elif args.worker == "sweep":
         result = sweep_worker(args.which, args.step, args.length)
     else:
@@ -221,14 +225,51 @@ def _spawn(backend, worker_args, args):
     return bench._spawn(backend, argv, args.memory_limit, args.time_limit, script=__file__)
 
 
+def run_case(backend, case, length, args):
+    """`case` for ours and the built-in, each layer in processes of its own, in
+    `args.pairs` alternated rounds (ours first, then the built-in first, ...): neither
+    layer's time carries what the other left in the process. Each ratio is a median
+    over rounds of the two processes' times; each distance to the floor, over each
+    process's time against its own GEMM rate."""
+    import statistics
+
+    runs = {"ours": [], "builtin": []}
+    for i in range(args.pairs):
+        for which in ("ours", "builtin")[:: -1 if i % 2 else 1]:
+            worker = ["--worker", "case", "--case", case, "--length", str(length)]
+            point = _spawn(backend, worker + ["--which", which, "--calls", str(args.calls)], args)
+            if point.get("failed"):
+                return {"case": case, "length": length, "failed": f"{which}: {point['failed']}"}
+            runs[which].append(point)
+    ratios = [o["ms"] / b["ms"] for o, b in zip(runs["ours"], runs["builtin"])]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+
+    def median(which, value):
+        return statistics.median(value(p) for p in runs[which])
+
+    every = runs["ours"] + runs["builtin"]
+    return dict(
+        case=case,
+        length=length,
+        ours_ms=median("ours", lambda p: p["ms"]),
+        builtin_ms=median("builtin", lambda p: p["ms"]),
+        ratio=statistics.median(ratios),
+        quartiles=(quartiles[0], quartiles[-1]),
+        gemm_gflops=statistics.median(p["gemm_gflops"] for p in every),
+        floor_ms=statistics.median(p["floor_ms"] for p in every),
+        ours_floor=median("ours", lambda p: p["ms"] / p["floor_ms"]),
+        builtin_floor=median("builtin", lambda p: p["ms"] / p["floor_ms"]),
+        processes=runs,
+    )
+
+
 def run_backend(backend, args):
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {"backend": backend, "started": now.strftime("%Y-%m-%d %H:%M UTC"), "cases": {}}
     length = DRY["length"] if args.dry_run else Workload().length
     for case in CASES:
         print(f"[{backend}] {case} ...", flush=True)
-        worker = ["--worker", "case", "--case", case, "--length", str(length)]
-        record["cases"][case] = _spawn(backend, worker + ["--pairs", str(args.pairs)], args)
+        record["cases"][case] = run_case(backend, case, length, args)
     print(f"[{backend}] cached decode step ...", flush=True)
     decode = ["--worker", "decode", "--pairs", str(args.decode_pairs)]
     record["decode"] = _spawn(backend, decode, args)
@@ -263,8 +304,9 @@ def markdown(records, args):
         f"`Embedding(mask_zero=True)` with the last quarter of the tokens padding, and "
         f"`use_causal_mask=True`. Floor: 4 x key_dim FLOPs per head per visible (query, key) "
         f"pair plus the four projections (train step: 3x), at the backend's best float32 "
-        f"2048^3 matmul rate measured in the same process. Times are medians of "
-        f"{args.pairs} alternated rounds.",
+        f"2048^3 matmul rate measured in the same process. Each layer in processes of "
+        f"its own, {args.pairs} alternated rounds of one process per layer, "
+        f"{args.calls} timed calls each: medians over the rounds.",
         "",
         "| case | target | backend | GEMM GFLOP/s | floor ms | ours ms | ours / floor "
         "| built-in ms | built-in / floor | ours / built-in |",
@@ -273,6 +315,9 @@ def markdown(records, args):
     for case, target in TARGETS.items():
         for r in records:
             e = r["cases"][case]
+            if e.get("failed"):
+                lines.append(f"| {case} | <= {target}x | {r['backend']} | {e['failed']} |")
+                continue
             met = "met" if e["ours_floor"] <= target else "not met"
             lines.append(
                 f"| {case} | <= {target}x | {r['backend']} | {e['gemm_gflops']:.0f} "
@@ -355,7 +400,10 @@ def plot(records, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=list(bench.BACKENDS))
-    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument(
+        "--pairs", type=int, default=5, help="alternated rounds of a process per layer"
+    )
+    parser.add_argument("--calls", type=int, default=3, help="timed calls per process")
     # A decode step takes milliseconds: many rounds cost little and settle its ratio.
     parser.add_argument("--decode-pairs", type=int, default=50)
     parser.add_argument("--no-sweep", dest="sweep", action="store_false")
