@@ -85,7 +85,6 @@ def _check_builtin(directory):
         "max_abs_diff": swap["max_abs_diff"],
         "grad_max_abs_diff": swap["grad_max_abs_diff"],
         "input_cases": sorted(swap["input_cases"]),
-        "swap_passed": swap["passed"],
         "swapped_classes": [
             type(loaded.get_layer("block").att) is keras_mha.MultiHeadAttention,
             type(loaded.get_layer("causal_attention")) is keras_mha.MultiHeadAttention,
