@@ -176,7 +176,7 @@ class BuiltinHooks:
             len(self._attention_axes),
         )
         axes = tuple(range(-len(self._attention_axes), 0))
-        weights, _ = kernels.logits.softmax(ops.cast(attention_scores, "float32"), mask, axes)
+        weights = kernels.logits.softmax(ops.cast(attention_scores, "float32"), mask, axes)
         return ops.cast(weights, attention_scores.dtype)
 
     def _explicit_attention(

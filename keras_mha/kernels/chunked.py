@@ -334,9 +334,7 @@ class _Block:
 def _forward_chunk(block):
     """`(output, logsumexp)` of one chunk: `(B, N, q, Hv)` float32, `(B, N, q, 1)`."""
     x, mask, _ = block.logits()
-    weights, logsumexp = logits_lib.softmax(
-        x, mask, (-1,), block.inputs.sink, logsumexp=True, zero_rows=False
-    )
+    weights, logsumexp = logits_lib.softmax_and_logsumexp(x, mask, (-1,), block.inputs.sink)
     weights = ops.cast(block.dropped(weights), block.inputs.v.dtype)
     output = ops.cast(ops.matmul(weights, block.values()), "float32")
     if mask is not None:  # a key-less row's weights were left as they came

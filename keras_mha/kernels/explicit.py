@@ -59,7 +59,7 @@ def attention(
     axes = tuple(range(rank - num_axes, rank))
     if sinks is not None:
         sinks = logits_lib.sink_logits(sinks, rank, rank - 2 * num_axes - 1)
-    weights, _ = logits_lib.softmax(x, _dense(mask, query, key), axes, sinks)
+    weights = logits_lib.softmax(x, _dense(mask, query, key), axes, sinks)
     scores = ops.cast(weights, value.dtype)
     if seed is not None and dropout > 0.0:
         shape = ops.shape(scores)

@@ -42,27 +42,21 @@ def sink_logits(sinks, rank, heads_axis):
     return ops.reshape(ops.cast(sinks, "float32"), shape)
 
 
-def softmax(x, mask, axes, sinks=None, logsumexp=False, zero_rows=True):
+def softmax(x, mask, axes, sinks=None):
     """Float32 masked softmax over `axes`, with optional sink logits in the
     denominator; masked entries and key-less rows get weight 0.
 
     The mask is added to the logits as a bias (`mask_bias`): a masked entry's weight
     underflows to exactly 0 in every row that has a key to attend to.
-
-    Returns `(weights, logsumexp)`, the logsumexp keeping `axes` as 1s (`NO_KEYS` for
-    a key-less row), or `None` unless asked for (`logsumexp=True`: the chunked
-    kernel, whose backward needs it). With `zero_rows=False` the weights of a
-    key-less row are left as they come and the caller zeroes what they produce by
-    the mask's rows, one value per row instead of a pass over every weight.
     """
     if mask is not None:
         x = x + mask_bias(mask)
     if sinks is None and len(axes) == 1 and len(x.shape) <= 5 and x.shape[axes[0]] != 1:
         # The backends' fused softmax: one pass (TensorFlow's CPU kernel takes rank <= 5).
         weights = ops.softmax(x, axis=axes[0])
-        if mask is not None and zero_rows:  # every entry of a key-less row
+        if mask is not None:  # every entry of a key-less row
             weights = ops.where(mask, weights, 0.0)
-        return weights, _logsumexp(x, mask is not None, axes) if logsumexp else None
+        return weights
     peak = ops.stop_gradient(_peak(x, axes, sinks))
     weights = ops.exp(x - peak)
     if mask is not None:
@@ -70,11 +64,35 @@ def softmax(x, mask, axes, sinks=None, logsumexp=False, zero_rows=True):
     total = ops.sum(weights, axis=axes, keepdims=True)
     if sinks is not None:
         total = total + ops.exp(sinks - peak)
-    has_keys = ops.greater(total, 0.0)
-    total = ops.where(has_keys, total, 1.0)
-    if not logsumexp:
-        return weights / total, None
-    return weights / total, ops.where(has_keys, peak + ops.log(total), NO_KEYS)
+    return weights / ops.where(ops.greater(total, 0.0), total, 1.0)
+
+
+def softmax_and_logsumexp(x, mask, axes, sinks=None):
+    """`(weights, logsumexp)` of float32 logits `x` over `axes`, for the chunked
+    kernel's forward: the weights as `softmax`'s, and each row's logsumexp (`NO_KEYS`
+    for a row with no key and no sink), which its backward needs.
+
+    A key-less row's weights are left as they come (uniform over logits that all sit
+    at `MASKED`): the caller zeroes what they produce by the mask's rows, one value
+    per row instead of a pass over every weight. Where the backend's fused softmax
+    runs, the logsumexp comes from two reductions, `peak - log(max(weights))` (the
+    largest weight is `1 / total`), instead of a second `exp` over every logit.
+    """
+    if mask is not None:
+        x = x + mask_bias(mask)
+    peak = _peak(x, axes, sinks)
+    if sinks is None and len(axes) == 1 and len(x.shape) <= 5 and x.shape[axes[0]] != 1:
+        weights = ops.softmax(x, axis=axes[0])  # one kernel (TensorFlow's CPU: rank <= 5)
+        logsumexp = peak - ops.log(_peak(weights, axes, None))  # the largest weight
+    else:
+        weights = ops.exp(x - peak)
+        total = ops.sum(weights, axis=axes, keepdims=True)
+        if sinks is not None:
+            total = total + ops.exp(sinks - peak)
+        weights, logsumexp = weights / total, peak + ops.log(total)
+    if mask is None:
+        return weights, logsumexp
+    return weights, ops.where(ops.greater(peak, MASKED / 2), logsumexp, NO_KEYS)
 
 
 def mask_bias(mask):
@@ -97,17 +115,6 @@ def _peak(x, axes, sinks):
         reduced = {axis % len(shape) for axis in axes}
         peak = ops.full([1 if i in reduced else n for i, n in enumerate(shape)], MASKED, x.dtype)
     return peak if sinks is None else ops.maximum(peak, sinks)
-
-
-def _logsumexp(x, masked, axes):
-    """Per-row logsumexp of logits `x`, masked entries at `MASKED` plus their logit
-    (`masked`); `NO_KEYS` for a row with no key, whose largest logit is one of those."""
-    peak = _peak(x, axes, None)
-    total = ops.sum(ops.exp(x - peak), axis=axes, keepdims=True)
-    logsumexp = peak + ops.log(total)
-    if not masked:
-        return logsumexp
-    return ops.where(ops.greater(peak, MASKED / 2), logsumexp, NO_KEYS)
 
 
 # ------------------------------------------------------------------------- dropout
