@@ -5,10 +5,6 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BACKENDS ?= tensorflow jax torch
 NOTEBOOK_BACKEND ?= jax
-# make test runs the notebooks' sources on torch: 124 s there against 255-274 s on JAX,
-# whose eager calls compile op by op (2026-11-26, benchmarks/results/README.md). The
-# published outputs stay JAX's (`make notebooks`).
-TEST_NOTEBOOK_BACKEND ?= torch
 
 .PHONY: install demo test test-backends test-notebooks notebooks docs lint format bench gpu clean
 
@@ -25,13 +21,13 @@ demo: $(STAMP)
 	$(BIN)/keras-mha compare --quick --json compare.json --plot compare.png
 
 test: $(STAMP)
-	$(BIN)/python tests/run_backends.py --backends $(BACKENDS) --notebook-backend $(TEST_NOTEBOOK_BACKEND)
+	$(BIN)/python tests/run_backends.py --backends $(BACKENDS) --notebook-backend $(NOTEBOOK_BACKEND)
 
 test-backends: $(STAMP)
 	$(BIN)/python tests/run_backends.py --backends $(BACKENDS) --no-notebooks
 
 test-notebooks: $(STAMP)
-	$(BIN)/python tests/run_backends.py --backends --inference-backends --notebook-backend $(TEST_NOTEBOOK_BACKEND)
+	$(BIN)/python tests/run_backends.py --backends --inference-backends --notebook-backend $(NOTEBOOK_BACKEND)
 
 # The notebooks' sources are notebooks/*.py (jupytext percent format). This writes each
 # paired .ipynb from its source (keeping the outputs of unchanged cells), then runs them all

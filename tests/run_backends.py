@@ -144,12 +144,7 @@ def main():
         )
         first += 1
     if args.backends:  # tests that cover every backend themselves, or need none
-        # After the first other backend's run: with two slots, JAX's long run then takes
-        # this one and the inference runs while the other slot runs the rest (fresh
-        # clone, 2026-11-26: jax 584 s, tensorflow 300, jax[models] 261, once 189,
-        # torch 152, notebooks on torch 124).
-        once = (f"once[{args.backends[0]}]", args.backends[0], ["-m", "once", *extra])
-        runs.insert(min(first + 1, len(runs)), once)
+        runs.insert(first, (f"once[{args.backends[0]}]", args.backends[0], ["-m", "once", *extra]))
     runs += [
         (f"inference[{b}]", b, ["tests/test_inference_backends.py"])
         for b in args.inference_backends
