@@ -116,7 +116,9 @@ def _run(kernel, mask, extras=None, **options):
             return out
         if kernel == "fused":
             return fused.attention(q, k, v, chunk_size=4, **kwargs)
-        loop, dynamic = kernel in ("looped", "dynamic"), kernel == "dynamic"
+        loop, dynamic = kernel in ("looped", "dynamic", "widened"), kernel in ("dynamic", "widened")
+        if kernel == "widened":  # key ranges out to multiples of 3 keys: extra keys masked
+            kwargs["key_multiple"] = 3
         return chunked.attention(
             q, k, v, chunk_size=4, key_block=key_block, loop=loop, dynamic=dynamic, **kwargs
         )
@@ -146,6 +148,16 @@ CHUNKED = ["chunked", "looped"] + (["dynamic"] if BACKEND != "jax" else [])
 def test_chunked_matches_explicit_forward_and_backward(rng, kernel, masking, lengths):
     t, s = lengths
     _assert_same(kernel, MASKS[masking](t, s), _inputs(rng, t, s))
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="a dynamic loop needs dynamic shapes; JAX has none")
+@pytest.mark.parametrize("masking", [m for m in MASKS if m not in ("none", "dense")])
+@pytest.mark.parametrize("lengths", [(T, T), (9, T + 4)])
+def test_widened_key_ranges_change_nothing(rng, masking, lengths):
+    """A dynamic loop's key ranges widened out to multiples of 3 keys (within `S`): the
+    keys added, before and after the visible range, are masked."""
+    t, s = lengths
+    _assert_same("widened", MASKS[masking](t, s), _inputs(rng, t, s))
 
 
 @pytest.mark.parametrize("kernel", CHUNKED)
@@ -513,6 +525,15 @@ def test_dynamic_loop_narrows_by_data_where_lengths_are_unknown(rng):
     assert [tuple(int(x) for x in r) for r in ranges] == [(0, 4), (0, 8), (6, 12), (15, 16)]
     expected = chunked.attention(q, k, k, scale=0.5, mask=packed(ids), chunk_size=4)
     np.testing.assert_allclose(to_numpy(output), to_numpy(expected), atol=ATOL)
+
+    @tf.function(input_signature=[spec, spec, tf.TensorSpec((1, None), tf.int32)])
+    def widened_ranges(q, k, ids):
+        plan = chunked._Plan.make(q, k, packed(ids), 4, None, True, True, key_multiple=5)
+        return [plan.key_range(start, 4) for start in (0, 4, 8, 12)]
+
+    # Out to multiples of 5 keys, within the 16 keys: few distinct widths.
+    got = [tuple(int(x) for x in r) for r in widened_ranges(q, k, ids)]
+    assert got == [(0, 5), (0, 10), (5, 15), (15, 16)]
 
 
 def test_unknown_query_length_is_one_chunk_unless_the_loop_is_dynamic():

@@ -134,6 +134,7 @@ def attention(
         seed=seed if dropping else None,
         chunk_size=chunk_size or rules.chunk_size,
         key_block=rules.key_block,
+        key_multiple=rules.key_multiple,
         in_flight=rules.in_flight,
         loop=rules.loop,
         dynamic=policy.dynamic_loop(rules),

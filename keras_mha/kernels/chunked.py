@@ -54,6 +54,7 @@ def attention(
     seed=None,
     chunk_size=256,
     key_block=512,
+    key_multiple=1,
     in_flight=None,
     loop=False,
     dynamic=False,
@@ -72,6 +73,9 @@ def attention(
         seed: int `(2,)` tensor seeding the dropout mask.
         chunk_size: query rows per chunk.
         key_block: keys per block of a static loop's chunk (at most `S`).
+        key_multiple: a dynamic loop widens each chunk's key range, found at run
+            time, out to multiples of this many keys (the extra keys masked), so
+            that the chunks' matmuls take few distinct shapes.
         in_flight: how many chunks of the forward pass may run at once (TensorFlow
             graphs); the backward runs one at a time.
         loop: visit the chunks in a compiled loop rather than unrolled.
@@ -82,7 +86,9 @@ def attention(
     """
     if dynamic and backend.backend() == "jax":
         raise ValueError("The chunked kernel's dynamic loop needs dynamic shapes; JAX has none.")
-    plan = _Plan.make(query, key, mask, chunk_size, in_flight, loop, dynamic, key_block)
+    plan = _Plan.make(
+        query, key, mask, chunk_size, in_flight, loop, dynamic, key_block, key_multiple
+    )
     options = _Options(scale, mask, soft_cap, dropout if seed is not None else 0.0, seed)
     tensors = [query, key, value]
     if bias is not None:
@@ -141,9 +147,12 @@ class _Plan:
     mask: Any
     key_block: int = 0  # a static loop's keys per block; 0: every chunk sees every key
     keys: Any = None  # `S`: static, or a scalar tensor in a dynamic loop
+    key_multiple: int = 1  # a dynamic loop's key ranges: widened out to multiples
 
     @classmethod
-    def make(cls, query, key, mask, chunk_size, in_flight, loop, dynamic, key_block=512):
+    def make(
+        cls, query, key, mask, chunk_size, in_flight, loop, dynamic, key_block=512, key_multiple=1
+    ):
         # Symbolic lengths (torch.export, jax.export) count as unknown: no guards.
         query_length, key_length = (_static(x.shape[1]) for x in (query, key))
         if query_length is None:
@@ -176,6 +185,7 @@ class _Plan:
             mask,
             blocks,
             keys,
+            key_multiple,
         )
         eager = not loop and trim.holds_data(query)
         ranges = tuple(plan.key_range(start, size, eager) for start, size in chunks)
@@ -197,7 +207,17 @@ class _Plan:
         lo, hi = self.mask.visible_keys(start, size, self.keys)
         if eager:
             return int(ops.convert_to_numpy(lo)), int(ops.convert_to_numpy(hi))
-        return lo, hi
+        return self._widened(lo, hi)
+
+    def _widened(self, lo, hi):
+        """A dynamic loop's `(lo, hi)` out to multiples of `key_multiple` keys (within
+        `S`): the matmuls' shapes change with the data, and TensorFlow's CPU kernels
+        (oneDNN) keep a compiled primitive per shape they meet; the keys added are
+        masked as every key the range left out is."""
+        m = self.key_multiple
+        if m <= 1:
+            return lo, hi
+        return lo // m * m, ops.minimum((hi + m - 1) // m * m, self.keys)
 
     def key_blocks(self, start, size):
         """`(lo, count)`, int32 scalar tensors: a static loop's chunk of queries

@@ -27,6 +27,12 @@ class Policy:
             queries may see, found at run time (causality, the window, query and key
             padding, document ids), in an inner loop with an online softmax. Larger
             blocks: fewer steps; smaller ones: less work past the visible keys.
+        key_multiple: a dynamic loop widens each chunk's key range, found at run
+            time from the masks, out to a multiple of this many keys. Every new
+            width is a new matmul shape, and TensorFlow's CPU kernels (oneDNN) keep a
+            compiled primitive per shape: without it, a train step on packed rows
+            grew the process by 16 MiB for every batch of new documents, up to the
+            cache's limit.
         in_flight: how many query chunks of a forward pass may run at once;
             `None` for no limit. TensorFlow's graph executor otherwise starts every
             chunk together and the memory saving is gone; two overlap one chunk's
@@ -63,6 +69,7 @@ class Policy:
     kernel: str
     chunk_size: int = 256
     key_block: int = 512
+    key_multiple: int = 1
     in_flight: int | None = None
     explicit_up_to: int | None = None
     loop: bool = False
@@ -77,7 +84,13 @@ class Policy:
 # benchmarks/results (see its README); `make bench` re-measures them.
 POLICIES = {
     ("tensorflow", "cpu"): Policy(
-        "chunked", chunk_size=256, in_flight=2, explicit_up_to=1 << 22, loop=True, dynamic=True
+        "chunked",
+        chunk_size=256,
+        key_multiple=128,
+        in_flight=2,
+        explicit_up_to=1 << 22,
+        loop=True,
+        dynamic=True,
     ),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
     ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
