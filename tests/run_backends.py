@@ -42,6 +42,8 @@ def _backend_importable(backend):
 # Every run compiles XLA's CPU fusions with its older direct emitters instead of its MLIR
 # fusion emitters, which take twice as long to compile (alone: JAX's suite without its
 # `SPLIT` files 475 -> 337 s; notebooks 06 and 07 51 -> 45 s and 61 -> 51 s).
+# A flag of jaxlib 0.10.2 (constraints.txt): XLA aborts on an unknown flag, so a new
+# jaxlib may need it changed.
 FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
 
 
