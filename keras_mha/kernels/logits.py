@@ -51,8 +51,7 @@ def softmax(x, mask, axes, sinks=None):
     """
     if mask is not None:
         x = x + mask_bias(mask)
-    if sinks is None and len(axes) == 1 and len(x.shape) <= 5 and x.shape[axes[0]] != 1:
-        # The backends' fused softmax: one pass (TensorFlow's CPU kernel takes rank <= 5).
+    if _fused_softmax_applies(x, axes, sinks):
         weights = ops.softmax(x, axis=axes[0])
         if mask is not None:  # every entry of a key-less row
             weights = ops.where(mask, weights, 0.0)
@@ -81,8 +80,8 @@ def softmax_and_logsumexp(x, mask, axes, sinks=None):
     if mask is not None:
         x = x + mask_bias(mask)
     peak = _peak(x, axes, sinks)
-    if sinks is None and len(axes) == 1 and len(x.shape) <= 5 and x.shape[axes[0]] != 1:
-        weights = ops.softmax(x, axis=axes[0])  # one kernel (TensorFlow's CPU: rank <= 5)
+    if _fused_softmax_applies(x, axes, sinks):
+        weights = ops.softmax(x, axis=axes[0])
         logsumexp = peak - ops.log(_peak(weights, axes, None))  # the largest weight
     else:
         weights = ops.exp(x - peak)
@@ -93,6 +92,12 @@ def softmax_and_logsumexp(x, mask, axes, sinks=None):
     if mask is None:
         return weights, logsumexp
     return weights, ops.where(ops.greater(peak, MASKED / 2), logsumexp, NO_KEYS)
+
+
+def _fused_softmax_applies(x, axes, sinks):
+    """Whether the backend's fused softmax computes the weights: one pass, one axis, no
+    sinks in the denominator (TensorFlow's CPU kernel takes rank <= 5)."""
+    return sinks is None and len(axes) == 1 and len(x.shape) <= 5 and x.shape[axes[0]] != 1
 
 
 def mask_bias(mask):
