@@ -479,24 +479,32 @@ class _Rows:
 
 
 # ------------------------------------------------------------------------ backward
-def _backward_chunk(block, d_out, correction, logsumexp, sink=True):
+def _backward_chunk(block, rows, sink=True):
     """One chunk's gradients: `(d_query, d_key, d_value, d_logits, d_sink)`, the key
     and value parts over the chunk's key range; `d_logits` before the soft cap's
-    derivative (what the bias receives); `d_sink` `None` unless `sink`."""
+    derivative (what the bias receives); `d_sink` `None` unless `sink`.
+
+    `rows`: the chunk's rows of the upstream gradient `(B, N, q, Hv)`, the correction
+    and the logsumexp `(B, N, q, 1)`, then of the scaled query and the upstream
+    gradient transposed, `(B, N, H, q)` and `(B, N, Hv, q)`. The key and value
+    gradients are plain products of the transposed rows, `(B, N, C, k)`, keys last:
+    XLA's CPU backend runs `weights^T @ d_out` (a transposed left operand) outside
+    its fast matmul, at a third of the rate."""
     inputs = block.inputs
+    d_out, correction, logsumexp, query_t, d_out_t = rows
     x, mask, squashed = block.logits()
     if mask is not None:  # masked weights underflow to 0; a key-less row's too (NO_KEYS)
         x = x + logits_lib.mask_bias(mask)
     weights = ops.exp(x - logsumexp)
     values = block.values()
-    d_value = _matmul_t(block.dropped(weights), d_out, inputs.v.dtype)
+    d_value = _product(d_out_t, block.dropped(weights), inputs.v.dtype)  # (B, N, Hv, k)
     d_weights = block.dropped(_matmul(d_out, ops.transpose(values, (0, 1, 3, 2))))
     d_logits = weights * (d_weights - correction)
     d_raw = d_logits if squashed is None else d_logits * (1.0 - ops.square(squashed))
     keys_t = masks.slice_along(inputs.key_t, 3, block.lo, block.keys)
     d_query = ops.einsum("bnqk,bnhk->bnqh", ops.cast(d_raw, inputs.q.dtype), keys_t)
     d_query = ops.cast(d_query, "float32")
-    d_key = _matmul_t(d_raw, block.query, inputs.q.dtype)
+    d_key = _product(query_t, d_raw, inputs.q.dtype)  # (B, N, H, k)
     d_sink = _sink_gradient(inputs, correction, logsumexp) if sink else None
     return d_query, d_key, d_value, d_logits, d_sink
 
@@ -514,14 +522,17 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     d_out = ops.cast(ops.transpose(upstream, (0, 2, 1, 3)), "float32")  # (B, N, T, Hv)
     # D = rowsum(dO * O) = rowsum(dP * P), the softmax's correction term.
     correction = ops.sum(d_out * output, axis=-1, keepdims=True)
+    query_t = ops.transpose(inputs.q, (0, 1, 3, 2))  # (B, N, H, T)
+    d_out_t = ops.transpose(d_out, (0, 1, 3, 2))  # (B, N, Hv, T)
     total = _Gradients(plan, inputs)
 
     def visit(start, size, lo, hi, state):
         rows = [masks.slice_along(t, 2, start, size) for t in (d_out, correction, logsumexp)]
+        rows += [masks.slice_along(t, 3, start, size) for t in (query_t, d_out_t)]
         if plan.key_block:
             return total.add_blocks(state, start, size, rows)
         block = inputs.block(start, size, lo, _width(lo, hi))
-        return total.add(state, block, _backward_chunk(block, *rows))
+        return total.add(state, block, _backward_chunk(block, rows))
 
     if plan.loop:
         count, chunk, rest = plan.looped(inputs.query_length)
@@ -543,8 +554,8 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     d_query, d_key, d_value, d_bias, d_sink = total.finish(state)
     return [
         _from_heads(d_query * inputs.options.scale, inputs.query.dtype),
-        _from_heads(d_key, inputs.key.dtype),
-        _from_heads(d_value, inputs.value.dtype),
+        _from_keys_last(d_key, inputs.key.dtype),
+        _from_keys_last(d_value, inputs.value.dtype),
         None if d_bias is None else ops.cast(d_bias, inputs.bias.dtype),
         None if d_sink is None else ops.cast(d_sink, inputs.sinks.dtype),
     ]
@@ -572,8 +583,8 @@ class _Gradients:
         keys = ops.shape(inputs.key_t)[3]
         state = [
             self.rows.empty(shape),
-            ops.zeros(shape[:2] + (keys, shape[3]), "float32"),
-            ops.zeros(shape[:2] + (keys, ops.shape(inputs.v)[3]), "float32"),
+            ops.zeros(shape[:2] + (shape[3], keys), "float32"),
+            ops.zeros(shape[:2] + (ops.shape(inputs.v)[3], keys), "float32"),
             None if inputs.bias is None else ops.zeros(ops.shape(inputs.bias), "float32"),
             None if inputs.sink is None else ops.zeros(ops.shape(inputs.sinks), "float32"),
         ]
@@ -605,7 +616,6 @@ class _Gradients:
         key, value and bias parts added in place at each block's keys (a moved last
         block's masked keys add zeros), the query part summed over the blocks."""
         inputs, plan = self.inputs, self.plan
-        d_out, correction, logsumexp = rows
         lo, count = plan.key_blocks(start, size)
         shape = ops.shape(inputs.q)
         d_query = ops.zeros((shape[0], shape[1], size, shape[3]), "float32")
@@ -614,8 +624,8 @@ class _Gradients:
         def step(j, sums):
             d_query, d_key, d_value, *d_bias = sums
             block = plan.key_block_of(inputs, start, size, lo, j)
-            parts = _backward_chunk(block, d_out, correction, logsumexp, sink=False)
-            at = [0, 0, block.lo, 0]
+            parts = _backward_chunk(block, rows, sink=False)
+            at = [0, 0, 0, block.lo]
             sums = [d_query + parts[0], _add_at(d_key, parts[1], at, False)]
             sums.append(_add_at(d_value, parts[2], at, False))
             if has_bias:
@@ -629,14 +639,14 @@ class _Gradients:
         state[0] = self.rows.put(state[0], sums[0], start)
         state[1 : len(sums)] = sums[1:]
         if inputs.sink is not None:
-            state[-1] = state[-1] + _sink_gradient(inputs, correction, logsumexp)
+            state[-1] = state[-1] + _sink_gradient(inputs, rows[1], rows[2])
         return tuple(state)
 
     def _add_in_place(self, state, block, d_query, d_key, d_value, d_bias, d_sink):
         state, padded = list(state), self.plan.dynamic
         state[0] = self.rows.put(state[0], d_query, block.start)
-        state[1] = _add_at(state[1], d_key, [0, 0, block.lo, 0], padded)
-        state[2] = _add_at(state[2], d_value, [0, 0, block.lo, 0], padded)
+        state[1] = _add_at(state[1], d_key, [0, 0, 0, block.lo], padded)
+        state[2] = _add_at(state[2], d_value, [0, 0, 0, block.lo], padded)
         i = 3
         if d_bias is not None:
             state[i] = _add_at(state[i], d_bias, self._bias_at(block), padded)
@@ -699,7 +709,7 @@ class _Unrolled:
 
 
 class _KeySum:
-    """A `(B, N, S, C)` float32 gradient summed from per-chunk key ranges `[lo, hi)`.
+    """A `(B, N, C, S)` float32 gradient summed from per-chunk key ranges `[lo, hi)`.
 
     The running sum covers keys `[0, largest hi so far)`; a part is padded to it, or
     it to the part. Each add waits for its chunk (see `_Gradients.add`), which keeps
@@ -730,7 +740,7 @@ class _KeySum:
     def total(self):
         if self.sum is None:  # no query sees any key
             lead, channels = ops.shape(self.key_t), ops.shape(self.channels_of)[3]
-            return ops.zeros((lead[0], lead[1], lead[3], channels), "float32")
+            return ops.zeros((lead[0], lead[1], channels, lead[3]), "float32")
         if self.length is not None and self.covered < self.length:
             return _pad_keys(self.sum, 0, self.length - self.covered)
         return self.sum
@@ -746,7 +756,7 @@ def _width(lo, hi):
 
 
 def _pad_keys(x, before, after):
-    return ops.pad(x, [(0, 0), (0, 0), (before, after), (0, 0)])
+    return ops.pad(x, [(0, 0), (0, 0), (0, 0), (before, after)])
 
 
 def _add_at(buffer, part, starts, padded):
@@ -793,12 +803,14 @@ def _matmul(a, b):
     return ops.cast(ops.matmul(a, b), "float32")
 
 
-def _matmul_t(a, b, dtype):
-    """`a^T @ b` over the last two axes, in `dtype`, as float32 (an einsum: the
-    backends' batched matmuls take the transposed operand without a copy)."""
-    return ops.cast(
-        ops.einsum("bnqk,bnqc->bnkc", ops.cast(a, dtype), ops.cast(b, dtype)), "float32"
-    )
+def _product(a, b, dtype):
+    """`a @ b` over the last two axes, in `dtype`, as float32."""
+    return ops.cast(ops.matmul(ops.cast(a, dtype), ops.cast(b, dtype)), "float32")
+
+
+def _from_keys_last(x, dtype):
+    """A key or value gradient `(B, N, C, S)` as `(B, S, N, C)`, in `dtype`."""
+    return ops.cast(ops.transpose(x, (0, 3, 1, 2)), dtype)
 
 
 def _as_tensor(x):
