@@ -489,8 +489,7 @@ def _backward_chunk(block, rows, sink=True):
     gradient transposed, `(B, N, H, q)` and `(B, N, Hv, q)`. The key and value
     gradients are plain products of the transposed rows, `(B, N, C, k)`, keys last:
     XLA's CPU backend runs `weights^T @ d_out` (a transposed left operand) outside
-    its fast matmul (a profiled block: 1.0 ms against 0.6-0.9 ms for its other
-    products of the same size)."""
+    its fast matmul (the Benchmarks page, "Distance to the floor")."""
     inputs = block.inputs
     d_out, correction, logsumexp, query_t, d_out_t = rows
     x, mask, squashed = block.logits()
