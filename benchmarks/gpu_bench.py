@@ -15,6 +15,7 @@ found in the same folder, into the markdown report `make gpu` writes.
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -188,30 +189,66 @@ def _forward(backend, model):
     return tf.function(lambda x: model(x, training=False), jit_compile=True)
 
 
-def _time_layer(backend, layer, x, y, sizes, flops):
-    """Forward and training-step times and rates of `layer` in a one-layer model."""
+def _time_layer(backend, layer, x, y, sizes, flops, profile=False):
+    """Forward and training-step times and rates of `layer` in a one-layer model;
+    with `profile` (torch), also how much of each call's time the GPU was busy."""
     model = _model(layer, sizes["length"], sizes["dim"])
     forward = _forward(backend, model)
-    forward_s = _time(backend, lambda: forward(x), sizes["warmup"], sizes["repeats"])
-    train_s = _time(
-        backend,
-        lambda: model.train_on_batch(x, y, return_dict=False),
-        sizes["warmup"],
-        sizes["repeats"],
-    )
-    row = {
-        "forward_ms": forward_s * 1e3,
-        "train_step_ms": train_s * 1e3,
-        "forward_tflops": flops / forward_s / 1e12,
-        "train_tflops": 3 * flops / train_s / 1e12,
+    steps = {
+        "forward": lambda: forward(x),
+        "train_step": lambda: model.train_on_batch(x, y, return_dict=False),
     }
+    seconds = {
+        step: _time(backend, fn, sizes["warmup"], sizes["repeats"]) for step, fn in steps.items()
+    }
+    row = {
+        "forward_ms": seconds["forward"] * 1e3,
+        "train_step_ms": seconds["train_step"] * 1e3,
+        "forward_tflops": flops / seconds["forward"] / 1e12,
+        "train_tflops": 3 * flops / seconds["train_step"] / 1e12,
+    }
+    if profile and backend == "torch" and _on_gpu(backend):
+        row["profile"] = {step: gpu_busy(fn) for step, fn in steps.items()}
     _progress(layer.__class__.__module__, row)
     return row
+
+
+def gpu_busy(fn, calls=5, top=8):
+    """Torch: `fn`'s calls under the profiler: wall ms per call, the ms per call that
+    CUDA kernels ran (their self time, summed), and the kernels that took the most."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    per_call = lambda us: us / 1e3 / calls  # noqa: E731
+    return {
+        "wall_ms": wall * 1e3 / calls,
+        "kernels_ms": per_call(sum(e.self_device_time_total for e in kernels)),
+        "kernel_launches": sum(e.count for e in kernels) / calls,
+        "top": [
+            {"name": e.key[:90], "ms": per_call(e.self_device_time_total), "count": e.count / calls}
+            for e in kernels[:top]
+        ],
+    }
 
 
 def _progress(label, row):
     """One case's result on stderr as soon as it is known (a run cut short keeps it)."""
     print(label, json.dumps(row), file=sys.stderr, flush=True)
+
+
+def _on_gpu(backend):
+    """Whether the backend runs on a GPU (a dry run may not)."""
+    return gpu_name(backend) is not None
 
 
 def _peak_memory_start(backend):
@@ -342,18 +379,29 @@ def _long_case(backend, make, sizes, length, rate):
     return row
 
 
-def run_long(backend, dry_run, rate):
-    """Padded + causal calls at every length of `LONG`, ours and the built-in."""
+def run_long(backend, dry_run, rate, lengths=None, chunk_sizes=(), chunked=False):
+    """Padded + causal calls at every length of `LONG` (or `lengths`), ours and the
+    built-in; ours again with each of `chunk_sizes`, and with the chunked kernel."""
     import keras
 
     import keras_mha
 
-    sizes = LONG_DRY if dry_run else LONG
+    sizes = dict(LONG_DRY if dry_run else LONG)
+    if lengths:
+        sizes["lengths"] = tuple(lengths)
     heads, key_dim = sizes["heads"], sizes["dim"] // sizes["heads"]
-    layers = {
-        "keras_mha (auto)": lambda: keras_mha.MultiHeadAttention(heads, key_dim),
-        "keras.layers.MultiHeadAttention": lambda: keras.layers.MultiHeadAttention(heads, key_dim),
-    }
+    layers = {"keras_mha (auto)": functools.partial(keras_mha.MultiHeadAttention, heads, key_dim)}
+    for size in chunk_sizes:
+        layers[f"keras_mha (chunk_size={size})"] = functools.partial(
+            keras_mha.MultiHeadAttention, heads, key_dim, chunk_size=size
+        )
+    if chunked:
+        layers["keras_mha (chunked)"] = functools.partial(
+            keras_mha.MultiHeadAttention, heads, key_dim, implementation="chunked"
+        )
+    layers["keras.layers.MultiHeadAttention"] = functools.partial(
+        keras.layers.MultiHeadAttention, heads, key_dim
+    )
     return {
         "sizes": sizes,
         "results": {
@@ -366,7 +414,9 @@ def run_long(backend, dry_run, rate):
     }
 
 
-def run(dry_run, long=True):
+def run(dry_run, long=True, full=True, lengths=None, chunk_sizes=(), chunked=False, profile=False):
+    """The whole benchmark of the session's backend as a dict (see `main` for the
+    arguments); `full=False` leaves out the B=4 T=4096 case."""
     import keras
 
     import keras_mha
@@ -390,18 +440,24 @@ def run(dry_run, long=True):
         ),
         "keras.layers.MultiHeadAttention": lambda: keras.layers.MultiHeadAttention(heads, key_dim),
     }
-    results = {
-        label: _time_layer(backend, make(), x, y, sizes, flops) for label, make in layers.items()
-    }
-    builtin = results["keras.layers.MultiHeadAttention"]
-    for row in results.values():
-        row["forward_vs_builtin"] = row["forward_ms"] / builtin["forward_ms"]
-        row["train_vs_builtin"] = row["train_step_ms"] / builtin["train_step_ms"]
-        row["forward_fraction_of_matmul"] = row["forward_tflops"] / rate
+    results = {}
+    if full:
+        results = {
+            label: _time_layer(backend, make(), x, y, sizes, flops, profile)
+            for label, make in layers.items()
+        }
+        builtin = results["keras.layers.MultiHeadAttention"]
+        for row in results.values():
+            row["forward_vs_builtin"] = row["forward_ms"] / builtin["forward_ms"]
+            row["train_vs_builtin"] = row["train_step_ms"] / builtin["train_step_ms"]
+            row["forward_fraction_of_matmul"] = row["forward_tflops"] / rate
+    long_results = None
+    if long:
+        long_results = run_long(backend, dry_run, rate, lengths, chunk_sizes, chunked)
     return {
         "backend": backend,
         "dry_run": dry_run,
-        "long": run_long(backend, dry_run, rate) if long else None,
+        "long": long_results,
         "gpu": name,
         "nvidia_smi": nvidia_smi(),
         "versions": versions(backend),
@@ -419,6 +475,62 @@ def _junit_summary(path):
     total, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
     failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
     return f"{total - failed - skipped} passed, {failed} failed, {skipped} skipped"
+
+
+def _full_report(backend, run_):
+    """Markdown lines for the B=4 T=4096 case of one backend's run (its heading alone
+    where the run left the case out)."""
+    s = run_["sizes"]
+    lines = [
+        f"## {backend}: B={s['batch']}, T=S={s['length']}, dim {s['dim']}, "
+        f"{s['heads']} heads, mixed_bfloat16",
+        "",
+        f"Measured bf16 matmul ({s['matmul']}^3): {run_['bf16_matmul_tflops']:.3g} TFLOP/s. "
+        f"Forward: {run_['forward_gflop']:.4g} GFLOP; training step counted as 3x.",
+    ]
+    if not run_["results"]:
+        return lines
+    lines += [
+        "",
+        "| layer | forward ms | train step ms | forward TFLOP/s | fwd / matmul rate "
+        "| fwd vs built-in | train vs built-in |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, row in run_["results"].items():
+        lines.append(
+            f"| {label} | {row['forward_ms']:.2f} | {row['train_step_ms']:.2f} "
+            f"| {row['forward_tflops']:.3g} | {row['forward_fraction_of_matmul']:.0%} "
+            f"| {row['forward_vs_builtin']:.2f}x | {row['train_vs_builtin']:.2f}x |"
+        )
+    ours = run_["results"]["keras_mha (auto)"]
+    meets = (
+        ours["forward_vs_builtin"] <= TARGET_RATIO
+        and ours["train_vs_builtin"] <= TARGET_RATIO
+        and ours["forward_fraction_of_matmul"] >= TARGET_MATMUL_FRACTION
+    )
+    verdict = "not judged (dry run)" if run_["dry_run"] else ("met" if meets else "NOT met")
+    lines += [
+        "",
+        f"Targets (ours, auto: <= {TARGET_RATIO:.1f}x the built-in, forward >= "
+        f"{TARGET_MATMUL_FRACTION:.0%} of the matmul rate): {verdict}.",
+    ]
+    profiled = {k: r["profile"] for k, r in run_["results"].items() if r.get("profile")}
+    if profiled:
+        lines += [
+            "",
+            "torch.profiler, per call: wall time (profiled) and the CUDA kernels' summed time.",
+            "",
+            "| layer | step | wall ms | kernels ms | kernel launches | largest kernels (ms) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for label, steps in profiled.items():
+            for step, found in steps.items():
+                top = "; ".join(f"{k['name'][:40]} {k['ms']:.2f}" for k in found["top"][:3])
+                lines.append(
+                    f"| {label} | {step} | {found['wall_ms']:.2f} | {found['kernels_ms']:.2f} "
+                    f"| {found['kernel_launches']:.0f} | {top} |"
+                )
+    return lines
 
 
 def _long_report(long):
@@ -481,37 +593,7 @@ def report(raw, backends):
         shown = ", ".join(f"{k} {v}" for k, v in found.items()) if found else "-"
         lines.append(f"| {backend} | {tests} | {shown} |")
     for backend, run_ in runs.items():
-        s = run_["sizes"]
-        lines += [
-            "",
-            f"## {backend}: B={s['batch']}, T=S={s['length']}, dim {s['dim']}, "
-            f"{s['heads']} heads, mixed_bfloat16",
-            "",
-            f"Measured bf16 matmul ({s['matmul']}^3): {run_['bf16_matmul_tflops']:.3g} TFLOP/s. "
-            f"Forward: {run_['forward_gflop']:.4g} GFLOP; training step counted as 3x.",
-            "",
-            "| layer | forward ms | train step ms | forward TFLOP/s | fwd / matmul rate "
-            "| fwd vs built-in | train vs built-in |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for label, row in run_["results"].items():
-            lines.append(
-                f"| {label} | {row['forward_ms']:.2f} | {row['train_step_ms']:.2f} "
-                f"| {row['forward_tflops']:.3g} | {row['forward_fraction_of_matmul']:.0%} "
-                f"| {row['forward_vs_builtin']:.2f}x | {row['train_vs_builtin']:.2f}x |"
-            )
-        ours = run_["results"]["keras_mha (auto)"]
-        meets = (
-            ours["forward_vs_builtin"] <= TARGET_RATIO
-            and ours["train_vs_builtin"] <= TARGET_RATIO
-            and ours["forward_fraction_of_matmul"] >= TARGET_MATMUL_FRACTION
-        )
-        verdict = "not judged (dry run)" if run_["dry_run"] else ("met" if meets else "NOT met")
-        lines += [
-            "",
-            f"Targets (ours, auto: <= {TARGET_RATIO:.1f}x the built-in, forward >= "
-            f"{TARGET_MATMUL_FRACTION:.0%} of the matmul rate): {verdict}.",
-        ]
+        lines += [""] + _full_report(backend, run_)
         lines += _long_report(run_.get("long"))
     missing = [b for b in backends if b not in runs]
     if missing:
@@ -532,13 +614,43 @@ def main():
     run_parser.add_argument(
         "--no-long", action="store_true", help="skip the long padded + causal calls"
     )
+    run_parser.add_argument(
+        "--no-full", action="store_true", help="skip the B=4 T=4096 unmasked case"
+    )
+    run_parser.add_argument(
+        "--lengths", type=int, nargs="+", help="the long calls' T (default: 8192 16384 32768)"
+    )
+    run_parser.add_argument(
+        "--chunk-sizes",
+        type=int,
+        nargs="+",
+        default=(),
+        help="the long calls again with ours at each of these chunk sizes",
+    )
+    run_parser.add_argument(
+        "--chunked", action="store_true", help="the long calls again with ours' chunked kernel"
+    )
+    run_parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch: how long the GPU is busy in each call (torch.profiler)",
+    )
     report_parser = sub.add_parser("report", help="write the markdown report")
     report_parser.add_argument("--raw", required=True, help="folder of bench-*.json, tests-*.xml")
     report_parser.add_argument("--backends", nargs="+", default=["torch", "jax", "tensorflow"])
     report_parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.command == "run":
-        text = json.dumps(run(args.dry_run, long=not args.no_long), indent=2)
+        found = run(
+            args.dry_run,
+            long=not args.no_long,
+            full=not args.no_full,
+            lengths=args.lengths,
+            chunk_sizes=args.chunk_sizes,
+            chunked=args.chunked,
+            profile=args.profile,
+        )
+        text = json.dumps(found, indent=2)
         if args.out:
             Path(args.out).write_text(text + "\n")
         print(text)
