@@ -14,6 +14,9 @@ found in the same folder, into the markdown report `make gpu` writes.
 """
 
 import argparse
+import ast
+import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -346,9 +349,31 @@ def long_flops(kept, dim, heads):
     return 4 * 2 * len(kept) * max(kept) * dim * dim + 2 * 2 * heads * head * pairs
 
 
-def _long_case(backend, make, sizes, length, rate):
-    """One layer at one length: times, peak memory and matmul fraction, or the error
-    (out of memory) that stopped it."""
+@contextlib.contextmanager
+def _policy(overrides):
+    """The backend's policy row with `overrides` while the block runs (the kernels read
+    it when they trace or run)."""
+    from keras_mha.kernels import policy
+
+    if not overrides:
+        yield
+        return
+    rules = dataclasses.replace(policy.current(), **overrides)
+    current, policy.current = policy.current, lambda: rules
+    try:
+        yield
+    finally:
+        policy.current = current
+
+
+def _long_case(backend, make, sizes, length, rate, overrides=None):
+    """One layer at one length (under the policy `overrides`): times, peak memory and
+    matmul fraction, or the error (out of memory) that stopped it."""
+    with _policy(overrides):
+        return _long_case_timed(backend, make, sizes, length, rate)
+
+
+def _long_case_timed(backend, make, sizes, length, rate):
     import gc
 
     import keras
@@ -379,9 +404,10 @@ def _long_case(backend, make, sizes, length, rate):
     return row
 
 
-def run_long(backend, dry_run, rate, lengths=None, chunk_sizes=(), chunked=False):
+def run_long(backend, dry_run, rate, lengths=None, variants=()):
     """Padded + causal calls at every length of `LONG` (or `lengths`), ours and the
-    built-in; ours again with each of `chunk_sizes`, and with the chunked kernel."""
+    built-in; ours again under each of `variants`: overrides of the backend's policy
+    row (`kernels/policy.py`), e.g. `{"chunk_size": 512, "fold_key_padding": False}`."""
     import keras
 
     import keras_mha
@@ -390,31 +416,28 @@ def run_long(backend, dry_run, rate, lengths=None, chunk_sizes=(), chunked=False
     if lengths:
         sizes["lengths"] = tuple(lengths)
     heads, key_dim = sizes["heads"], sizes["dim"] // sizes["heads"]
-    layers = {"keras_mha (auto)": functools.partial(keras_mha.MultiHeadAttention, heads, key_dim)}
-    for size in chunk_sizes:
-        layers[f"keras_mha (chunk_size={size})"] = functools.partial(
-            keras_mha.MultiHeadAttention, heads, key_dim, chunk_size=size
-        )
-    if chunked:
-        layers["keras_mha (chunked)"] = functools.partial(
-            keras_mha.MultiHeadAttention, heads, key_dim, implementation="chunked"
-        )
-    layers["keras.layers.MultiHeadAttention"] = functools.partial(
-        keras.layers.MultiHeadAttention, heads, key_dim
+    ours = functools.partial(keras_mha.MultiHeadAttention, heads, key_dim)
+    layers = {"keras_mha (auto)": (ours, {})}
+    for overrides in variants:
+        label = ", ".join(f"{k}={v}" for k, v in overrides.items())
+        layers[f"keras_mha ({label})"] = (ours, overrides)
+    layers["keras.layers.MultiHeadAttention"] = (
+        functools.partial(keras.layers.MultiHeadAttention, heads, key_dim),
+        {},
     )
     return {
         "sizes": sizes,
         "results": {
             str(length): {
-                label: _long_case(backend, make, sizes, length, rate)
-                for label, make in layers.items()
+                label: _long_case(backend, make, sizes, length, rate, overrides)
+                for label, (make, overrides) in layers.items()
             }
             for length in sizes["lengths"]
         },
     }
 
 
-def run(dry_run, long=True, full=True, lengths=None, chunk_sizes=(), chunked=False, profile=False):
+def run(dry_run, long=True, full=True, lengths=None, variants=(), profile=False):
     """The whole benchmark of the session's backend as a dict (see `main` for the
     arguments); `full=False` leaves out the B=4 T=4096 case."""
     import keras
@@ -453,7 +476,7 @@ def run(dry_run, long=True, full=True, lengths=None, chunk_sizes=(), chunked=Fal
             row["forward_fraction_of_matmul"] = row["forward_tflops"] / rate
     long_results = None
     if long:
-        long_results = run_long(backend, dry_run, rate, lengths, chunk_sizes, chunked)
+        long_results = run_long(backend, dry_run, rate, lengths, variants)
     return {
         "backend": backend,
         "dry_run": dry_run,
@@ -605,6 +628,18 @@ def report(raw, backends):
     return "\n".join(lines) + "\n"
 
 
+def _overrides(text):
+    """`"k=v,k=v"` -> `{k: v}`, values read as Python literals where they parse."""
+    found = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            found[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            found[name.strip()] = value.strip()
+    return found
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -621,14 +656,12 @@ def main():
         "--lengths", type=int, nargs="+", help="the long calls' T (default: 8192 16384 32768)"
     )
     run_parser.add_argument(
-        "--chunk-sizes",
-        type=int,
-        nargs="+",
-        default=(),
-        help="the long calls again with ours at each of these chunk sizes",
-    )
-    run_parser.add_argument(
-        "--chunked", action="store_true", help="the long calls again with ours' chunked kernel"
+        "--variant",
+        action="append",
+        default=[],
+        type=_overrides,
+        help="the long calls again with ours under policy overrides, e.g. "
+        "chunk_size=512,fold_key_padding=False (repeatable)",
     )
     run_parser.add_argument(
         "--profile",
@@ -646,8 +679,7 @@ def main():
             long=not args.no_long,
             full=not args.no_full,
             lengths=args.lengths,
-            chunk_sizes=args.chunk_sizes,
-            chunked=args.chunked,
+            variants=args.variant,
             profile=args.profile,
         )
         text = json.dumps(found, indent=2)

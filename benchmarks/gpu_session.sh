@@ -8,19 +8,22 @@
 #   probe.log        what `keras.ops.dot_product_attention` (the built-in's kernel) gives
 #                    a query row with no visible key, on the CPU and on the GPU;
 #   bench-torch.json benchmarks/gpu_bench.py with --profile (torch.profiler: GPU busy time);
-#   bench-jax.json   benchmarks/gpu_bench.py, the long calls also at other chunk sizes and
-#                    with the chunked kernel (the GPU row of kernels/policy.py);
+#   bench-jax.json   benchmarks/gpu_bench.py, the long calls also under other policy
+#                    rows (`--variant`: the GPU row of kernels/policy.py);
 # then the tests, all at once (the timings are done): tests-BACKEND.xml (`pytest -m gpu
 # tests/test_gpu.py`) and fast-BACKEND.log (the fast test modules on the GPU).
 # session.log holds the machine, every part's exit status and its seconds.
-# BACKENDS (torch jax); DEADLINE: seconds after which the tests are stopped (545);
-# JAX_SWEEP: gpu_bench.py arguments for JAX's long calls; BENCH_TIMEOUT_torch/_jax:
-# seconds for each benchmark; PY: the python (python3), NO_WHEELS: skip the install.
+# BACKENDS (torch jax): the tests; BENCH_BACKENDS ($BACKENDS): the benchmarks, with
+# BENCH_ARGS_torch / BENCH_ARGS_jax (gpu_bench.py run's arguments) and BENCH_TIMEOUT_torch
+# / _jax (seconds); PROBE=0 skips the probe; DEADLINE: seconds after which the tests are
+# stopped (545); PY: the python (python3); NO_WHEELS: skip the install.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 DEADLINE=${DEADLINE:-545}
 BACKENDS=${BACKENDS:-torch jax}
-JAX_SWEEP=${JAX_SWEEP:---lengths 8192 32768 --chunk-sizes 1024 2048 4096 --chunked}
+BENCH_BACKENDS=${BENCH_BACKENDS-$BACKENDS}
+BENCH_ARGS_torch=${BENCH_ARGS_torch:---profile}
+BENCH_ARGS_jax=${BENCH_ARGS_jax:---lengths 8192 32768 --variant chunk_size=512 --variant chunk_size=2048}
 mkdir -p "$OUT"
 START=$SECONDS
 LOG=$OUT/session.log
@@ -35,12 +38,12 @@ done_part() { echo "== $1: exit $2, at $((SECONDS - START)) s" >>"$LOG"; }
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  $PY -c "import keras, jax, torch; print(keras.__version__, jax.__version__, torch.__version__, jax.devices(), torch.cuda.get_device_name(0))"
+  KERAS_BACKEND=jax $PY -c "import keras, jax, torch; print(keras.__version__, jax.__version__, torch.__version__, jax.devices(), torch.cuda.get_device_name(0))"
 } >>"$LOG" 2>&1
 
 # What the built-in's kernel gives a row with no visible key: Keras's torch backend adds a
 # large negative float mask and calls torch's scaled_dot_product_attention.
-KERAS_BACKEND=torch timeout -k 5 60 $PY - >"$OUT/probe.log" 2>&1 <<'EOF'
+[ "${PROBE:-1}" = 0 ] || KERAS_BACKEND=torch timeout -k 5 60 $PY - >"$OUT/probe.log" 2>&1 <<'EOF'
 import keras
 import numpy as np
 
@@ -72,10 +75,9 @@ for dtype, heads, head_dim, length in (
 EOF
 done_part probe $?
 
-for b in $BACKENDS; do
-  extra=()
-  [ "$b" = torch ] && extra=(--profile)
-  [ "$b" = jax ] && read -r -a extra <<<"$JAX_SWEEP"
+for b in $BENCH_BACKENDS; do
+  arguments=BENCH_ARGS_$b
+  read -r -a extra <<<"${!arguments}"
   limit=BENCH_TIMEOUT_$b
   KERAS_BACKEND=$b timeout -s INT -k 10 "${!limit:-200}" $PY benchmarks/gpu_bench.py run \
     "${extra[@]}" --out "$OUT/bench-$b.json" >/dev/null 2>>"$LOG"

@@ -138,7 +138,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             path; difference 5) or "builtin": what the built-in gives it, the mean of
             all the values (uniform weights) where the built-in runs
             `ops.dot_product_attention` (no attention dropout, no scores requested,
-            one attention axis), zero weights elsewhere. `keras_mha.swap` and
+            one attention axis) and that kernel gives the mean (not torch's CUDA
+            kernels), zero weights elsewhere. `keras_mha.swap` and
             `swapped()` build ours with "builtin", so a moved model predicts as before
             where padded query rows reach its output (e.g. pooled after `x + attention`).
         keep_input_masks: Opt-in, off by default (a difference from the built-in
@@ -882,20 +883,22 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             flash=self._flash_attention,
         )
         if mask is not None and len(query.shape) == 4:
-            if self._fully_masked(return_attention_scores) == "mean":
+            if self._fully_masked(return_attention_scores, output) == "mean":
                 output = kernels.mean_where_empty(output, value, mask)
         return output, scores
 
-    def _fully_masked(self, return_attention_scores):
+    def _fully_masked(self, return_attention_scores, output):
         """What a row with no visible key gets in this call: "mean" (the values' mean,
         `kernels.mean_where_empty`) where the built-in's call would run
         `ops.dot_product_attention` (no attention dropout, no scores, one attention
-        axis; it has no sinks), with `fully_masked_rows="builtin"`; else "zero"."""
+        axis; it has no sinks) and that gives the mean where `output` lives, with
+        `fully_masked_rows="builtin"`; else "zero"."""
         builtin_fused_path = (
             self._dropout == 0.0
             and not return_attention_scores
             and len(self._attention_axes) == 1
             and not self._use_sinks
+            and kernels.fused_gives_mean(output)
         )
         return "mean" if self._fully_masked_rows == "builtin" and builtin_fused_path else "zero"
 

@@ -13,7 +13,6 @@ import weakref
 
 import keras
 import numpy as np
-import pytest
 
 import keras_mha
 
@@ -220,21 +219,3 @@ def call(layer, *args, **kwargs):
 def leaf(array):
     """A torch tensor that takes gradients, on Keras's device (the GPU where there is one)."""
     return keras.ops.convert_to_tensor(array).detach().requires_grad_(True)
-
-
-def _torch_on_gpu():
-    if BACKEND != "torch":
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
-# The built-in's rows with no key on torch with a CUDA GPU: not the values' mean that
-# `fully_masked_rows="builtin"` gives (it does on CPU and on JAX's GPU). Seen on an H200,
-# 2026-11-26 (benchmarks/results/gpu.md); strict, so a change is noticed.
-BUILTIN_EMPTY_ROWS_DIFFER_ON_TORCH_GPU = pytest.mark.xfail(
-    _torch_on_gpu(),
-    reason="the built-in's fully masked rows on torch with a CUDA GPU are not the mean",
-    strict=True,
-)

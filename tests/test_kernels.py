@@ -1,7 +1,9 @@
 """Every kernel against the explicit one, forward and backward, with every mask kind
 and every logit feature; the dropout hash; the chunked kernel's key ranges."""
 
+import contextlib
 import dataclasses
+from unittest import mock
 
 import keras
 import numpy as np
@@ -88,6 +90,17 @@ def _inputs(rng, t=T, s=T, hv=H):
     return q, k, v
 
 
+@contextlib.contextmanager
+def folding():
+    """The running backend's policy with `fold_key_padding` (and key padding not taken
+    whole), as on JAX's GPU."""
+    rules = dataclasses.replace(
+        kernels.policy.current(), fold_key_padding=True, fused_key_padding=False
+    )
+    with mock.patch.object(kernels.policy, "current", lambda: rules):
+        yield
+
+
 def _tensorize(mask):
     if mask is None:
         return None
@@ -116,6 +129,9 @@ def _run(kernel, mask, extras=None, **options):
             return out
         if kernel == "fused":
             return fused.attention(q, k, v, chunk_size=4, **kwargs)
+        if kernel == "folded":  # key padding as a head channel (JAX's GPU row)
+            with folding():
+                return fused.attention(q, k, v, chunk_size=4, **kwargs)
         loop, dynamic = kernel in ("looped", "dynamic", "widened"), kernel in ("dynamic", "widened")
         if kernel == "widened":  # key ranges out to multiples of 3 keys: extra keys masked
             kwargs["key_multiple"] = 3
@@ -222,14 +238,63 @@ def test_dropout_keep_rate_and_independence(rate):
     assert (to_numpy(logits.dropout_keep(other, rows, cols, rate)) != keep).mean() > 0.1
 
 
+@pytest.mark.parametrize("kernel", ["fused", "folded"])
 @pytest.mark.parametrize("masking", list(MASKS))
 @pytest.mark.parametrize("lengths", [(T, T), (T, T + 4)])
-def test_fused_matches_explicit(rng, masking, lengths):
-    """Masks the kernel cannot take whole are built one chunk of queries at a time."""
+def test_fused_matches_explicit(rng, kernel, masking, lengths):
+    """Masks the kernel cannot take whole are built one chunk of queries at a time;
+    "folded": key padding as one more head channel, where the policy says so."""
     t, s = lengths
     mask = MASKS[masking](t, s)
     assert kernels.policy.fusable(kernels.policy.Call(mask=mask))
-    _assert_same("fused", mask, _inputs(rng, t, s))
+    _assert_same(kernel, mask, _inputs(rng, t, s))
+
+
+@pytest.mark.parametrize(
+    "masking", ["keys", "causal+padding", "no-keys", "left-padded+causal", "queries+keys"]
+)
+# JAX's kernel takes no value heads of another size (`policy.fusable`).
+@pytest.mark.parametrize("hv", [H] + ([3] if BACKEND != "jax" else []))
+def test_folded_key_padding_is_one_whole_call_without_a_mask(rng, monkeypatch, masking, hv):
+    """Key padding (with causality, query padding, rows left with no key) folded into
+    the head channels: one kernel call over every query and key, `is_causal` where
+    causal, no mask tensor, 8 channels; outputs and gradients as the explicit kernel's,
+    value heads of another size too."""
+    calls = []
+    original = fused._Kernel.__call__
+
+    def spy(self, query, key, value, mask, valid, is_causal, bias):
+        calls.append((tuple(query.shape), tuple(key.shape), mask, is_causal, bias))
+        return original(self, query, key, value, mask, valid, is_causal, bias)
+
+    monkeypatch.setattr(fused._Kernel, "__call__", spy)
+    left = np.ones((B, T), bool)
+    left[0, :5] = False  # batch 0's first 5 keys padded: its causal rows 0-4 see none
+    mask = {
+        "left-padded+causal": masks.AttentionMask(causal=True, key_valid=left),
+        "queries+keys": masks.AttentionMask(key_valid=left, query_valid=_padding(T, 9)),
+    }.get(masking) or MASKS[masking](T, T)
+    arrays = _inputs(rng, hv=hv)
+    _assert_same("folded", mask, arrays)
+    out, _ = value_and_grads(_run("folded", mask), arrays)
+    assert out.shape == (B, T, N, hv)
+    assert calls and all(c == calls[0] for c in calls)  # one call per run
+    query_shape, key_shape, kernel_mask, is_causal, bias = calls[0]
+    assert query_shape == (B, T, N, 8) and key_shape == (B, T, N, 8)
+    assert kernel_mask is None and bias is None and is_causal == mask.causal
+    if masking in ("no-keys", "left-padded+causal"):
+        assert np.all(out[0, : 5 if mask.causal else T] == 0.0)
+
+
+def test_folded_key_padding_holds_with_large_logits(rng):
+    """Logits up to +-50 (query and key norms of 10): a hidden key still gets no
+    weight, a visible one its own."""
+    q, k, v = (10 * x / np.linalg.norm(x, axis=-1, keepdims=True) for x in _inputs(rng))
+    mask = MASKS["causal+padding"](T, T)
+    dense = to_numpy(_tensorize(mask).block(0, T, 0, T))[:, 0]
+    expected, _ = reference_attention(q, k, v, mask=dense)
+    out, _ = value_and_grads(_run("folded", mask), (q, k, v))
+    np.testing.assert_allclose(out, expected, atol=1e-4)
 
 
 @pytest.mark.parametrize(

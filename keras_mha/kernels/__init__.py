@@ -12,11 +12,12 @@ All three share the arithmetic of `logits.py` (float32 softmax, a row with no ke
 gets zero weights, the same dropout mask for the same seed). Which one runs, and with
 what chunk size, is decided in one place: `policy.py`. `mean_where_empty` gives a row
 with no keys the mean of the values instead (what `keras.ops.dot_product_attention` gives
-it), whichever kernel ran. Where the masks hold data (eager calls), padded tails are cut
-off before any kernel runs (`trim.py`).
+it, except on torch's CUDA kernels: `fused_gives_mean`), whichever kernel ran. Where the
+masks hold data (eager calls), padded tails are cut off before any kernel runs
+(`trim.py`).
 """
 
-from keras import ops
+from keras import backend, ops
 
 from keras_mha.kernels import chunked, explicit, fused, policy, trim
 from keras_mha.kernels.policy import IMPLEMENTATIONS
@@ -156,6 +157,14 @@ def mean_where_empty(output, value, mask):
     return ops.where(empty, ops.cast(mean, output.dtype), output)
 
 
+def fused_gives_mean(x):
+    """Whether `keras.ops.dot_product_attention` gives a row with no visible key
+    uniform weights (the values' mean) where the tensor `x` lives: on CPUs and on
+    JAX's GPU. Torch's CUDA kernels give such a row zero weights, float32 and bfloat16
+    alike (benchmarks/results/gpu.md)."""
+    return backend.backend() != "torch" or x.device.type != "cuda"
+
+
 def _score_entries(query, key):
     """`B x N x T x S` of `(B, T, N, H)` query and `(B, S, N, H)` key, or `None` when a
     size is unknown while tracing (symbolic sizes included)."""
@@ -173,6 +182,7 @@ __all__ = [
     "chunked",
     "explicit",
     "fused",
+    "fused_gives_mean",
     "mean_where_empty",
     "policy",
 ]

@@ -36,6 +36,8 @@ def attention(query, key, value, *, scale, mask=None, bias=None, flash=None, chu
     run = _Kernel(scale, flash)
     if _takes_whole(mask, bias):
         output = run(query, key, value, *_whole_mask(mask), bias)
+    elif _folds_key_padding(mask, bias, query):
+        output = _folded(run, query, key, value, mask, scale)
     else:
         output = _by_chunks(run, query, key, value, mask, bias, chunk_size)
     return ops.cast(output, dtype)
@@ -52,6 +54,57 @@ def _takes_whole(mask, bias):
     if mask.causal:  # `is_causal` takes no other mask or bias
         return mask.key_valid is None and mask.dense is None and bias is None
     return mask.key_valid is None or policy.current().fused_key_padding
+
+
+def _folds_key_padding(mask, bias, query):
+    """Whether the kernel takes the key padding as one more head channel (`_folded`):
+    the policy says so, and padding is all the mask holds besides causality."""
+    if not policy.current().fold_key_padding or bias is not None:
+        return False
+    if mask.key_valid is None or len(mask.key_valid.shape) != 2:
+        return False
+    if mask.dense is not None or mask.query_segments is not None or mask.window is not None:
+        return False
+    return not mask.causal or mask.static_offset == 0
+
+
+# How far a key that padding hides falls below every other key's logit, in logits: its
+# weight, exp(-FOLD_SHIFT) next to the row's largest, is zero in float32.
+FOLD_SHIFT = 1e4
+
+
+def _folded(run, query, key, value, mask, scale):
+    """The kernel once, whole (with `is_causal` where the mask is causal), the key
+    padding folded into the head channels: no mask tensor at all.
+
+    The query gets a channel of ones and the key a channel holding `-FOLD_SHIFT / scale`
+    where its padding hides it and 0 elsewhere, both padded with zeros to a multiple of
+    8 channels (what the kernels take). A visible key's logit gains exactly 0; a hidden
+    key's falls by `FOLD_SHIFT`, so its weight is 0. Rows left with no key are zeroed
+    after the kernel, as everywhere (`AttentionMask.empty_rows`, `O(B * (T + S))`).
+    """
+    channels = query.shape[-1]
+    extra = -(-(channels + 1) // 8) * 8 - channels  # channels added: 1 to 8
+    dtype = query.dtype
+    hidden = -FOLD_SHIFT / scale
+    if backend.standardize_dtype(dtype) == "float16":
+        hidden = ops.maximum(hidden, -6e4)  # float16 holds up to 65504
+    one_hot = ops.one_hot(0, extra, dtype=dtype)  # (extra,): 1, 0, ..., 0
+    query = ops.concatenate(
+        [query, ops.broadcast_to(one_hot, (*ops.shape(query)[:-1], extra))], axis=-1
+    )
+    hides = ops.cast(ops.logical_not(mask.key_valid), dtype) * hidden  # (B, S)
+    key_channels = hides[:, :, None, None] * one_hot  # (B, S, 1, extra)
+    key = ops.concatenate(
+        [key, ops.broadcast_to(key_channels, (*ops.shape(key)[:-1], extra))], axis=-1
+    )
+    value_channels = value.shape[-1]
+    if value_channels == channels:  # the kernels want equal head sizes
+        value = ops.pad(value, [(0, 0), (0, 0), (0, 0), (0, extra)])
+    empty = mask.empty_rows(ops.shape(query)[1], ops.shape(key)[1])  # (B, 1, T)
+    valid = ops.logical_not(empty)[..., None]  # (B, 1, T, 1), as a kernel mask's rows
+    output = run(query, key, value, None, valid, mask.causal, None)
+    return output[..., :value_channels]
 
 
 def _whole_mask(mask):

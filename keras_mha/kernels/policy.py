@@ -64,6 +64,10 @@ class Policy:
             whole. JAX's cuDNN kernel does not (`tests/test_gpu.py`: XLA's plain
             math, with its whole `B x N x T x S` scores, ran instead); it takes a
             mask built per chunk of queries, so padding goes by chunks there.
+        fold_key_padding: key padding, alone or with causality, goes into the fused
+            kernel as one more head channel (`fused._folded`): one whole call, with
+            `is_causal`, and no mask tensor. Where the kernel takes no key padding
+            whole, or is much faster without a mask (JAX's cuDNN kernel).
     """
 
     kernel: str
@@ -78,6 +82,7 @@ class Policy:
     in_place_bias: bool = False
     fused_float16: bool = False
     fused_key_padding: bool = True
+    fold_key_padding: bool = False
 
 
 # (backend, device) -> Policy. The measurements behind each entry are in
@@ -95,7 +100,12 @@ POLICIES = {
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
     ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
     ("jax", "gpu"): Policy(
-        "fused", chunk_size=512, loop=True, fused_float16=True, fused_key_padding=False
+        "fused",
+        chunk_size=2048,
+        loop=True,
+        fused_float16=True,
+        fused_key_padding=False,
+        fold_key_padding=True,
     ),
     ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
     ("torch", "gpu"): Policy("fused", chunk_size=512, in_place_bias=True, fused_float16=True),
