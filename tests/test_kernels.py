@@ -91,14 +91,16 @@ def _inputs(rng, t=T, s=T, hv=H):
 
 
 @contextlib.contextmanager
-def folding():
-    """The running backend's policy with `fold_key_padding` (and key padding not taken
-    whole), as on JAX's GPU."""
-    rules = dataclasses.replace(
-        kernels.policy.current(), fold_key_padding=True, fused_key_padding=False
-    )
+def policy_with(**overrides):
+    """The running backend's policy row with `overrides` inside the block."""
+    rules = dataclasses.replace(kernels.policy.current(), **overrides)
     with mock.patch.object(kernels.policy, "current", lambda: rules):
         yield
+
+
+def folding():
+    """Key padding folded into a head channel and not taken whole, as on JAX's GPU."""
+    return policy_with(fold_key_padding=True, fused_key_padding=False)
 
 
 def _tensorize(mask):
@@ -383,7 +385,8 @@ def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch)
     monkeypatch.setattr(fused._Kernel, "__call__", spy)
     q, k, v = _inputs(rng, 12, 12)
     mask = _tensorize(masks.AttentionMask(causal=True, key_valid=_padding(12, 7)))
-    fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
+    with policy_with(fold_key_padding=False):  # as on every row but JAX's GPU
+        fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
     assert sorted(shapes) == [(4, 4, (B, 1, 4, 4)), (4, 8, (B, 1, 4, 8)), (4, 12, (B, 1, 4, 12))]
     assert shapes[0][1] == 12  # the chunk with the most keys first: its buffers get reused
 
