@@ -407,7 +407,7 @@ def _long_case_timed(backend, make, sizes, length, rate):
 def run_long(backend, dry_run, rate, lengths=None, variants=()):
     """Padded + causal calls at every length of `LONG` (or `lengths`), ours and the
     built-in; ours again under each of `variants`: overrides of the backend's policy
-    row (`kernels/policy.py`), e.g. `{"chunk_size": 512, "fold_key_padding": False}`."""
+    row (`kernels/policy.py`), e.g. `{"chunk_size": 512, "fold_key_padding": ()}`."""
     import keras
 
     import keras_mha
@@ -661,7 +661,7 @@ def main():
         default=[],
         type=_overrides,
         help="the long calls again with ours under policy overrides, e.g. "
-        "chunk_size=512,fold_key_padding=False (repeatable)",
+        "chunk_size=512,fold_key_padding=() (repeatable)",
     )
     run_parser.add_argument(
         "--profile",

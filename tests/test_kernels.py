@@ -99,8 +99,9 @@ def policy_with(**overrides):
 
 
 def folding():
-    """Key padding folded into a head channel and not taken whole, as on JAX's GPU."""
-    return policy_with(fold_key_padding=True, fused_key_padding=False)
+    """Key padding folded into a head channel and not taken whole, as on JAX's GPU
+    (there in half precision)."""
+    return policy_with(fold_key_padding=("float32",), fused_key_padding=False)
 
 
 def _tensorize(mask):
@@ -293,6 +294,23 @@ def test_folded_key_padding_is_one_whole_call_without_a_mask(rng, monkeypatch, m
         assert np.all(out[0, : 5 if mask.causal else T] == 0.0)
 
 
+def test_key_padding_is_folded_only_in_the_policys_dtypes(rng, monkeypatch):
+    """JAX's GPU row folds in half precision only: float32 calls go by chunks there."""
+    calls = []
+    original = fused._Kernel.__call__
+
+    def spy(self, query, key, value, mask, *rest):
+        calls.append(query.shape[-1])
+        return original(self, query, key, value, mask, *rest)
+
+    monkeypatch.setattr(fused._Kernel, "__call__", spy)
+    mask = _tensorize(MASKS["causal+padding"](T, T))
+    q, k, v = _inputs(rng)
+    with policy_with(fold_key_padding=("bfloat16", "float16"), fused_key_padding=False):
+        fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
+    assert len(calls) > 1 and set(calls) == {H}
+
+
 def test_folded_key_padding_holds_with_large_logits(rng):
     """Logits up to +-50 (query and key norms of 10): a hidden key still gets no
     weight, a visible one its own."""
@@ -390,7 +408,7 @@ def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch)
     monkeypatch.setattr(fused._Kernel, "__call__", spy)
     q, k, v = _inputs(rng, 12, 12)
     mask = _tensorize(masks.AttentionMask(causal=True, key_valid=_padding(12, 7)))
-    with policy_with(fold_key_padding=False):  # as on every row but JAX's GPU
+    with policy_with(fold_key_padding=()):  # as on every row but JAX's GPU
         fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
     assert sorted(shapes) == [(4, 4, (B, 1, 4, 4)), (4, 8, (B, 1, 4, 8)), (4, 12, (B, 1, 4, 12))]
     assert shapes[0][1] == 12  # the chunk with the most keys first: its buffers get reused

@@ -58,8 +58,10 @@ def _takes_whole(mask, bias):
 
 def _folds_key_padding(mask, bias, query):
     """Whether the kernel takes the key padding as one more head channel (`_folded`):
-    the policy says so, and padding is all the mask holds besides causality."""
-    if not policy.current().fold_key_padding or bias is not None:
+    the policy says so for the query's dtype, and padding is all the mask holds
+    besides causality."""
+    dtype = backend.standardize_dtype(query.dtype)
+    if dtype not in policy.current().fold_key_padding or bias is not None:
         return False
     if mask.key_valid is None or len(mask.key_valid.shape) != 2:
         return False

@@ -64,10 +64,12 @@ class Policy:
             whole. JAX's cuDNN kernel does not (`tests/test_gpu.py`: XLA's plain
             math, with its whole `B x N x T x S` scores, ran instead); it takes a
             mask built per chunk of queries, so padding goes by chunks there.
-        fold_key_padding: key padding, alone or with causality, goes into the fused
-            kernel as one more head channel (`fused._folded`): one whole call, with
-            `is_causal`, and no mask tensor. Where the kernel takes no key padding
-            whole, or is much faster without a mask (JAX's cuDNN kernel).
+        fold_key_padding: the dtypes in which key padding, alone or with causality,
+            goes into the fused kernel as one more head channel (`fused._folded`):
+            one whole call, with `is_causal`, and no mask tensor. Where a flash
+            kernel takes those dtypes but no key padding whole (JAX's cuDNN kernel:
+            half precision). In other dtypes the backend would run whole-score math,
+            and chunks of queries stay leaner.
     """
 
     kernel: str
@@ -82,7 +84,7 @@ class Policy:
     in_place_bias: bool = False
     fused_float16: bool = False
     fused_key_padding: bool = True
-    fold_key_padding: bool = False
+    fold_key_padding: tuple = ()
 
 
 # (backend, device) -> Policy. The measurements behind each entry are in
@@ -105,7 +107,7 @@ POLICIES = {
         loop=True,
         fused_float16=True,
         fused_key_padding=False,
-        fold_key_padding=True,
+        fold_key_padding=("bfloat16", "float16"),
     ),
     ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
     ("torch", "gpu"): Policy("fused", chunk_size=512, in_place_bias=True, fused_float16=True),
