@@ -23,7 +23,7 @@ DEADLINE=${DEADLINE:-545}
 BACKENDS=${BACKENDS:-torch jax}
 BENCH_BACKENDS=${BENCH_BACKENDS-$BACKENDS}
 BENCH_ARGS_torch=${BENCH_ARGS_torch:---profile}
-BENCH_ARGS_jax=${BENCH_ARGS_jax:---lengths 8192 32768 --variant chunk_size=512 --variant chunk_size=2048}
+BENCH_ARGS_jax=${BENCH_ARGS_jax:---lengths 8192 32768 --variant fold_key_padding=()}
 mkdir -p "$OUT"
 START=$SECONDS
 LOG=$OUT/session.log
