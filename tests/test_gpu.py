@@ -241,7 +241,8 @@ def test_fused_kernel_runs_where_eligible(implementation, mask):
 @pytest.mark.parametrize("mask", ["causal_padding", "causal_keras_padding"])
 def test_causal_padding_runs_the_fused_kernel_without_a_dense_mask(mask):
     """Causality with key padding: the fused kernel runs on chunks of queries, each
-    with its own mask block. Right-padded, with the padded queries masked too (a Keras
+    with its own mask block, or on JAX (bfloat16) once, whole, with the padding folded
+    into a head channel. Right-padded, with the padded queries masked too (a Keras
     mask), causality alone hides the padded keys: a torch call (eager) takes the
     kernel whole with `is_causal` and no mask at all."""
     layer, x = _fused_layer()
