@@ -1,9 +1,7 @@
 """Every kernel against the explicit one, forward and backward, with every mask kind
 and every logit feature; the dropout hash; the chunked kernel's key ranges."""
 
-import contextlib
 import dataclasses
-from unittest import mock
 
 import keras
 import numpy as np
@@ -90,18 +88,10 @@ def _inputs(rng, t=T, s=T, hv=H):
     return q, k, v
 
 
-@contextlib.contextmanager
-def policy_with(**overrides):
-    """The running backend's policy row with `overrides` inside the block."""
-    rules = dataclasses.replace(kernels.policy.current(), **overrides)
-    with mock.patch.object(kernels.policy, "current", lambda: rules):
-        yield
-
-
 def folding():
     """Key padding folded into a head channel and not taken whole, as on JAX's GPU
     (there in half precision)."""
-    return policy_with(fold_key_padding=("float32",), fused_key_padding=False)
+    return kernels.policy.overriding(fold_key_padding=("float32",), fused_key_padding=False)
 
 
 def _tensorize(mask):
@@ -306,7 +296,8 @@ def test_key_padding_is_folded_only_in_the_policys_dtypes(rng, monkeypatch):
     monkeypatch.setattr(fused._Kernel, "__call__", spy)
     mask = _tensorize(MASKS["causal+padding"](T, T))
     q, k, v = _inputs(rng)
-    with policy_with(fold_key_padding=("bfloat16", "float16"), fused_key_padding=False):
+    half = ("bfloat16", "float16")
+    with kernels.policy.overriding(fold_key_padding=half, fused_key_padding=False):
         fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
     assert len(calls) > 1 and set(calls) == {H}
 
@@ -408,7 +399,7 @@ def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch)
     monkeypatch.setattr(fused._Kernel, "__call__", spy)
     q, k, v = _inputs(rng, 12, 12)
     mask = _tensorize(masks.AttentionMask(causal=True, key_valid=_padding(12, 7)))
-    with policy_with(fold_key_padding=()):  # as on every row but JAX's GPU
+    with kernels.policy.overriding(fold_key_padding=()):  # as on every row but JAX's GPU
         fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
     assert sorted(shapes) == [(4, 4, (B, 1, 4, 4)), (4, 8, (B, 1, 4, 8)), (4, 12, (B, 1, 4, 12))]
     assert shapes[0][1] == 12  # the chunk with the most keys first: its buffers get reused
@@ -769,3 +760,10 @@ def test_policy_table_covers_every_backend():
         assert entry.chunk_size > 0
     device = kernels.policy._device(BACKEND)
     assert kernels.policy.current() == kernels.policy.POLICIES[(BACKEND, device)]
+
+
+def test_overriding_a_policy_row_lasts_for_its_block():
+    row = kernels.policy.current()
+    with kernels.policy.overriding(chunk_size=row.chunk_size + 1):
+        assert kernels.policy.current() == dataclasses.replace(row, chunk_size=row.chunk_size + 1)
+    assert kernels.policy.current() == row

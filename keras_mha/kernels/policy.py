@@ -2,9 +2,12 @@
 
 `POLICIES` holds, per backend and device, every tuned choice the kernels make; nothing
 else in the package branches on the backend to pick a kernel or a size. `choose` is a
-pure function of the call's features and the policy, tested on its own.
+pure function of the call's features and the policy, tested on its own. `overriding`
+puts another row in place for a block (benchmarks and tests compare rows with it).
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -116,10 +119,27 @@ POLICIES = {
 }
 
 
+_OVERRIDE = contextvars.ContextVar("keras_mha_policy_override", default=None)
+
+
 def current():
-    """The policy of the running backend and its default device."""
+    """The policy of the running backend and its default device (or `overriding`'s)."""
+    overridden = _OVERRIDE.get()
+    if overridden is not None:
+        return overridden
     name = backend.backend()
     return POLICIES.get((name, _device(name)), POLICIES.get((name, "cpu"), Policy("explicit")))
+
+
+@contextlib.contextmanager
+def overriding(**changes):
+    """Inside the block, `current()` is the running backend's row with `changes`
+    (field names of `Policy`); the kernels read it when they trace or run."""
+    token = _OVERRIDE.set(dataclasses.replace(current(), **changes))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
 
 
 @functools.cache
