@@ -15,8 +15,6 @@ found in the same folder, into the markdown report `make gpu` writes.
 
 import argparse
 import ast
-import contextlib
-import dataclasses
 import datetime
 import functools
 import json
@@ -349,27 +347,12 @@ def long_flops(kept, dim, heads):
     return 4 * 2 * len(kept) * max(kept) * dim * dim + 2 * 2 * heads * head * pairs
 
 
-@contextlib.contextmanager
-def _policy(overrides):
-    """The backend's policy row with `overrides` while the block runs (the kernels read
-    it when they trace or run)."""
-    from keras_mha.kernels import policy
-
-    if not overrides:
-        yield
-        return
-    rules = dataclasses.replace(policy.current(), **overrides)
-    current, policy.current = policy.current, lambda: rules
-    try:
-        yield
-    finally:
-        policy.current = current
-
-
 def _long_case(backend, make, sizes, length, rate, overrides=None):
     """One layer at one length (under the policy `overrides`): times, peak memory and
     matmul fraction, or the error (out of memory) that stopped it."""
-    with _policy(overrides):
+    from keras_mha.kernels import policy
+
+    with policy.overriding(**(overrides or {})):
         return _long_case_timed(backend, make, sizes, length, rate)
 
 
@@ -629,14 +612,13 @@ def report(raw, backends):
 
 
 def _overrides(text):
-    """`"k=v,k=v"` -> `{k: v}`, values read as Python literals where they parse."""
+    """`"k=v,k=v"` -> `{k: v}`: keyword arguments, values read as Python literals (a
+    bare word as a string), e.g. `kernel=chunked,fold_key_padding=("bfloat16",)`."""
+    call = ast.parse(f"f({text})", mode="eval").body
     found = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        try:
-            found[name.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            found[name.strip()] = value.strip()
+    for keyword in call.keywords:
+        value = keyword.value
+        found[keyword.arg] = value.id if isinstance(value, ast.Name) else ast.literal_eval(value)
     return found
 
 
