@@ -15,6 +15,7 @@ are written.
 from keras import dtype_policies, ops
 from keras.layers import EinsumDense
 
+from keras_mha import _keras_private
 from keras_mha.kernels import policy
 
 
@@ -90,6 +91,19 @@ class Projection(EinsumDense):
         # Keras refuses to quantize subclasses of EinsumDense; a quantized layer
         # runs EinsumDense's own quantized call, which this class leaves alone.
         super().quantize(mode, type_check=False, config=config)
+
+    def __call__(self, *args, **kwargs):
+        # Keras's `Layer.__call__` costs more Python than the einsum of a small call;
+        # where the policy says so (eager torch), it is skipped when it would only
+        # call `call` (`_keras_private.call_is_all_it_does`).
+        if (
+            len(args) == 1
+            and not kwargs
+            and policy.current().direct_projections
+            and _keras_private.call_is_all_it_does(self, args[0])
+        ):
+            return self.call(args[0])
+        return super().__call__(*args, **kwargs)
 
     def call(self, inputs, training=None):
         x = ops.einsum(self.equation, inputs, self.kernel)

@@ -16,7 +16,14 @@ from keras_mha import _keras_private
 
 PACKAGE = Path(_keras_private.__file__).resolve().parent
 # Attributes of Keras's own objects that are not public API.
-KERAS_PRIVATE_ATTRIBUTES = {"_call_signature", "_keras_mask", "_build_shapes_dict", "_tracker"}
+KERAS_PRIVATE_ATTRIBUTES = {
+    "_call_signature",
+    "_keras_mask",
+    "_build_shapes_dict",
+    "_tracker",
+    "_called",
+    "_remat_mode",
+}
 
 
 def test_implicit_mask_helpers_round_trip_on_a_backend_tensor():
@@ -41,6 +48,23 @@ def test_implicit_mask_helpers_read_what_keras_layers_write():
     _keras_private.set_keras_mask(x, mask)
     pooled = keras.layers.GlobalAveragePooling1D()(x, mask=_keras_private.get_keras_mask(x))
     assert tuple(pooled.shape) == (2, 4)
+
+
+def test_keras_still_keeps_what_call_is_all_it_does_reads():
+    """`Layer.__call__` marks a layer called, and a layer made under a `RematScope`
+    keeps its mode: without these, every projection would go through Keras's
+    `__call__` (correct, only slower)."""
+    plain = keras.layers.EinsumDense("ab,bc->ac", output_shape=2)
+    assert plain._called is False and plain._remat_mode is None
+    x = keras.ops.ones((1, 3))
+    plain(x)
+    assert plain._called is True
+    assert _keras_private.call_is_all_it_does(plain, x)
+    with keras.RematScope(mode="full"):
+        remat = keras.layers.EinsumDense("ab,bc->ac", output_shape=2)
+    remat(x)
+    assert remat._remat_mode is not None
+    assert not _keras_private.call_is_all_it_does(remat, x)
 
 
 def test_no_other_module_imports_keras_src():

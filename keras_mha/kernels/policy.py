@@ -67,6 +67,10 @@ class Policy:
             whole. JAX's cuDNN kernel does not (`tests/test_gpu.py`: XLA's plain
             math, with its whole `B x N x T x S` scores, ran instead); it takes a
             mask built per chunk of queries, so padding goes by chunks there.
+        direct_projections: the projections run their `call` directly where Keras's
+            `Layer.__call__` would do nothing more (`_keras_private.call_is_all_it_does`).
+            An eager backend (torch) pays that `__call__` in Python on every call of
+            the layer, four or five times; traced graphs pay it once.
         fold_key_padding: the dtypes in which key padding, alone or with causality,
             goes into the fused kernel as one more head channel (`fused._folded`):
             one whole call, with `is_causal`, and no mask tensor. Where a flash
@@ -88,6 +92,7 @@ class Policy:
     fused_float16: bool = False
     fused_key_padding: bool = True
     fold_key_padding: tuple = ()
+    direct_projections: bool = False
 
 
 # (backend, device) -> Policy. The measurements behind each entry are in
@@ -112,8 +117,12 @@ POLICIES = {
         fused_key_padding=False,
         fold_key_padding=("bfloat16", "float16"),
     ),
-    ("torch", "cpu"): Policy("fused", chunk_size=256, in_place_bias=True, fused_float16=True),
-    ("torch", "gpu"): Policy("fused", chunk_size=512, in_place_bias=True, fused_float16=True),
+    ("torch", "cpu"): Policy(
+        "fused", chunk_size=256, in_place_bias=True, fused_float16=True, direct_projections=True
+    ),
+    ("torch", "gpu"): Policy(
+        "fused", chunk_size=512, in_place_bias=True, fused_float16=True, direct_projections=True
+    ),
     ("numpy", "cpu"): Policy("explicit", trains=False),
     ("openvino", "cpu"): Policy("explicit", trains=False),
 }
