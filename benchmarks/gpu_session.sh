@@ -7,6 +7,8 @@
 # First the timings, one at a time on a quiet GPU:
 #   probe.log        what `keras.ops.dot_product_attention` (the built-in's kernel) gives
 #                    a query row with no visible key, on the CPU and on the GPU;
+#   host-time.md     benchmarks/host_time.py: torch's host time per eager call, ours
+#                    against the built-in, on tiny tensors on the GPU (HOST=0 skips it);
 #   bench-torch.json benchmarks/gpu_bench.py with --profile (torch.profiler: GPU busy time);
 #   bench-jax.json   benchmarks/gpu_bench.py, the long calls also under other policy
 #                    rows (`--variant`: the GPU row of kernels/policy.py);
@@ -74,6 +76,10 @@ for dtype, heads, head_dim, length in (
               f"first row {rows[0, 0, :4]}, values' mean {mean[0, :4]}")
 EOF
 done_part probe $?
+
+[ "${HOST:-1}" = 0 ] || KERAS_BACKEND=torch timeout -k 5 90 $PY benchmarks/host_time.py \
+  --rounds 4 --calls 100 >"$OUT/host-time.md" 2>>"$LOG"
+done_part "host time" $?
 
 for b in $BENCH_BACKENDS; do
   arguments=BENCH_ARGS_$b
