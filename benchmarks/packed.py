@@ -11,6 +11,9 @@ in all, a fixed seed) go through one attention layer's train step
 - `builtin packed dense`: the built-in on the same packed rows, with a dense
   block-diagonal causal `attention_mask` `(1, T, T)`;
 - `ours one by one`: ours on each document alone (B=1, its own length).
+- `no attention`: the packed rows' steps with a `Dense` layer where the attention was:
+  what the rest of the step (inputs, loss, optimizer, allocator) grows by, which
+  every way's growth includes.
 
 Each way runs in a fresh process per backend: a warm-up pass over all its steps (every
 shape compiled), then three timed passes (`--passes`), whose median counts (a way's time
@@ -19,7 +22,8 @@ growth of peak RSS over the process's baseline, taken after one step on the firs
 step's first 64 positions (`ru_maxrss`; on a GPU, the backend's peak device memory
 where it reports one). The targets (issue 31): ours packed >= 2x the built-in padded in
 tokens/s, peak memory <= 0.1x the built-in packed dense, and ours packed within 1.3x
-the time of ours one by one. That last ratio comes from one more process per backend
+the time of ours one by one; beside the memory target, the same ratio for no
+attention at all. That last ratio comes from one more process per backend
 that alternates the passes of ours packed and ours one by one (the ways' own processes
 give it too, in brackets: a fresh process can run fast or slow as a whole).
 
@@ -41,7 +45,8 @@ import time
 
 BACKENDS = ("tensorflow", "jax", "torch")
 PACKED, ALONE = "ours packed", "ours one by one"
-WAYS = (PACKED, "builtin padded", "builtin packed dense", ALONE)
+NONE = "no attention"
+WAYS = (PACKED, "builtin padded", "builtin packed dense", ALONE, NONE)
 AGAINST_ALONE = "ours packed / one by one"  # the two ways alternated in one process
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FULL = dict(tokens=65_536, median=300, cap=4096, length=4096, dim=256, heads=4, batch=8)
@@ -72,11 +77,11 @@ def _steps(way, sizes):
     lengths = document_lengths(sizes["tokens"], sizes["median"], sizes["cap"])
     documents = [rng.standard_normal((n, sizes["dim"])).astype("float32") for n in lengths]
     steps = []
-    if way in ("ours packed", "builtin packed dense"):
+    if way in ("ours packed", "builtin packed dense", NONE):
         rows = packing.pack([np.arange(n) for n in lengths], sizes["length"])
         placed = _place(documents, rows, sizes)
         for x, ids in placed:
-            if way == "ours packed":
+            if way in ("ours packed", NONE):
                 steps.append(([x, ids], ids > 0))
             else:
                 same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0)
@@ -123,6 +128,9 @@ def _model(way, sizes):
 
     dim, heads = sizes["dim"], sizes["heads"]
     x = keras.Input((None, dim))
+    if way == NONE:
+        ids = keras.Input((None,), dtype="int32")
+        return keras.Model([x, ids], keras.layers.Dense(dim)(x))
     if way in ("ours packed", "ours one by one"):
         layer = keras_mha.MultiHeadAttention(heads, dim // heads)
         if way == "ours packed":
@@ -289,21 +297,23 @@ def report(records):
         "",
         "| backend | ours packed / builtin padded, tokens/s (>= 2) "
         "| ours packed / builtin packed dense, memory (<= 0.1) "
+        "| no attention / builtin packed dense, memory "
         "| ours packed / one by one, time (<= 1.3): alternated in one process "
         "(the ways' own processes) |",
-        "|---|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|",
     ]
     for backend in sorted({r["backend"] for r in records}):
-        ours, padded, dense, alone = (by.get((backend, way), {}) for way in WAYS)
+        ours, padded, dense, alone, none = (by.get((backend, way), {}) for way in WAYS)
         if any("error" in r or not r for r in (ours, padded, dense, alone)):
-            lines.append(f"| {backend} | n/a | n/a | n/a |")
+            lines.append(f"| {backend} | n/a | n/a | n/a | n/a |")
             continue
         memory = "peak_growth_mib" if ours["device_peak_mib"] is None else "device_peak_mib"
         pair = by.get((backend, AGAINST_ALONE), {})
         paired = "n/a" if "ratio" not in pair else f"{pair['ratio']:.2f}x"
+        floor = "n/a" if "error" in none or not none else f"{none[memory] / dense[memory]:.3f}x"
         lines.append(
             f"| {backend} | {ours['tokens_per_s'] / padded['tokens_per_s']:.2f}x "
-            f"| {ours[memory] / max(dense[memory], 1e-9):.3f}x "
+            f"| {ours[memory] / max(dense[memory], 1e-9):.3f}x | {floor} "
             f"| {paired} ({ours['seconds'] / alone['seconds']:.2f}x) |"
         )
     return "\n".join(lines) + "\n"
