@@ -541,6 +541,81 @@ def _packed_mask(lengths, total, causal=False):
     return masks.AttentionMask(causal=causal, query_segments=ids, key_segments=ids)
 
 
+def _kernel_calls(monkeypatch):
+    """The fused kernel's calls: `(queries, keys, mask shape or None, is_causal)`."""
+    calls = []
+    original = fused._Kernel.__call__
+
+    def spy(self, query, key, value, mask, valid, is_causal, bias):
+        shape = None if mask is None else tuple(mask.shape)
+        calls.append((query.shape[1], key.shape[1], shape, is_causal))
+        return original(self, query, key, value, mask, valid, is_causal, bias)
+
+    monkeypatch.setattr(fused._Kernel, "__call__", spy)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_runs_each_document_alone(rng, monkeypatch, causal):
+    """Eagerly, contiguous documents of a packed self-attention each run whole, alone,
+    with no mask (`is_causal` where causal), as FlashAttention's variable-length kernels
+    do; padding gets zero rows. Outputs and gradients are the explicit kernel's."""
+    mask = _packed_mask((6, 5), T, causal)  # then 2 of padding, in both batch rows
+    _assert_same("fused", mask, _inputs(rng))
+    calls = _kernel_calls(monkeypatch)
+    q, k, v = _inputs(rng)
+    fused.attention(q, k, v, scale=1.0, mask=mask, chunk_size=4)
+    assert calls == [(6, 6, None, causal), (5, 5, None, causal)] * B
+
+
+def test_fused_goes_by_chunks_where_documents_would_not_pay(rng, monkeypatch):
+    """Chunks of queries, with their masks, where a document id comes back after
+    another (no contiguous run per document), where the keys' ids are not the
+    queries', and where rows hold more documents than the call has chunks of
+    queries. Outputs and gradients stay the explicit kernel's."""
+    calls = _kernel_calls(monkeypatch)
+    arrays = _inputs(rng)
+    ids = np.ones((B, T), "int32")
+    ids[:, 4:8] = 2  # document 1 on both sides of document 2: 6 runs, 7 chunks of 2
+    queries, keys = np.ones((B, T), "int32"), np.ones((B, T), "int32")
+    queries[:, 6:], keys[:, 5:] = 2, 2  # contiguous documents, the keys' one key apart
+    cases = [
+        (masks.AttentionMask(query_segments=ids, key_segments=ids), 2),
+        (masks.AttentionMask(query_segments=queries, key_segments=keys), 2),
+        (_packed_mask((2, 2, 2, 2, 2, 3), T), 4),  # 12 runs, 4 chunks of 4 queries
+    ]
+    for mask, chunk_size in cases:
+        calls.clear()
+
+        def run(q, k, v, mask=_tensorize(mask), chunk_size=chunk_size):
+            return fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=chunk_size)
+
+        def want(q, k, v, mask=_tensorize(mask)):
+            return explicit.attention(q, k, v, scale=0.5, equations=EQUATIONS, mask=mask)[0]
+
+        out, grads = value_and_grads(run, arrays)
+        assert calls and all(shape is not None for _, _, shape, _ in calls)
+        expected, expected_grads = value_and_grads(want, arrays)
+        np.testing.assert_allclose(out, expected, atol=ATOL)
+        for got, wanted in zip(grads, expected_grads):
+            np.testing.assert_allclose(got, wanted, atol=ATOL)
+
+
+def test_a_cut_packed_row_runs_its_documents_alone(rng, monkeypatch):
+    """Through the kernels' entry point: the trailing padding is cut off first, then
+    each document runs alone (4 documents, 6 chunks of 2 queries in the 11 kept);
+    the results are the explicit kernel's."""
+    calls = _kernel_calls(monkeypatch)
+    mask = _packed_mask((7, 4), T, causal=True)
+    q, k, v = _inputs(rng)
+    out, _ = kernels.attention(
+        q, k, v, scale=0.5, equations=EQUATIONS, mask=mask, implementation="fused", chunk_size=2
+    )
+    assert calls == [(7, 7, None, True), (4, 4, None, True)] * B
+    expected, _ = explicit.attention(q, k, v, scale=0.5, equations=EQUATIONS, mask=mask)
+    np.testing.assert_allclose(to_numpy(out), to_numpy(expected), atol=ATOL)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_chunked_skips_keys_of_other_documents_at_run_time(rng, monkeypatch, causal):
     """Eagerly, each chunk of one document computes logits against its document's

@@ -13,6 +13,7 @@ Padded queries, and rows left with no key, are zeroed after the kernel, which ne
 sees an all-masked row (some kernels turn one into NaN).
 """
 
+import numpy as np
 from keras import backend, ops
 
 from keras_mha import masks as masks_lib
@@ -38,6 +39,8 @@ def attention(query, key, value, *, scale, mask=None, bias=None, flash=None, chu
         output = run(query, key, value, *_whole_mask(mask), bias)
     elif _folds_key_padding(mask, bias, query):
         output = _folded(run, query, key, value, mask, scale)
+    elif (runs := _document_runs(query, key, mask, bias, chunk_size)) is not None:
+        output = _by_documents(run, query, key, value, mask, runs)
     else:
         output = _by_chunks(run, query, key, value, mask, bias, chunk_size)
     return ops.cast(output, dtype)
@@ -107,6 +110,66 @@ def _folded(run, query, key, value, mask, scale):
     valid = ops.logical_not(empty)[..., None]  # (B, 1, T, 1), as a kernel mask's rows
     output = run(query, key, value, None, valid, mask.causal, None)
     return output[..., :value_channels]
+
+
+def _document_runs(query, key, mask, bias, chunk_size):
+    """Per batch row, the `(start, end)` of each document, where a packed
+    self-attention call goes by documents (`_by_documents`); else `None`.
+
+    Where the ids hold data (eager calls), each document id is one contiguous run of
+    positions, the queries' ids are the keys', and nothing else masks the call but
+    causality from position 0: each document then runs whole, alone, as FlashAttention's
+    variable-length kernels run packed rows. Only where that makes no more kernel
+    calls than the chunks of queries would (`chunk_size`): rows of many short documents
+    go by chunks."""
+    segments = mask.query_segments
+    if segments is None or bias is not None or not trim.holds_data(query):
+        return None
+    if query.shape[1] != key.shape[1]:
+        return None
+    if mask.dense is not None or mask.window is not None or mask.key_valid is not None:
+        return None
+    if mask.query_valid is not None or (mask.causal and mask.static_offset != 0):
+        return None
+    ids = ops.convert_to_numpy(segments)
+    if chunk_size is None or not np.array_equal(ids, ops.convert_to_numpy(mask.key_segments)):
+        return None
+    runs = []
+    for row in ids:
+        starts = [0, *(np.flatnonzero(row[1:] != row[:-1]) + 1).tolist()]
+        spans = [(a, b) for a, b in zip(starts, starts[1:] + [len(row)]) if row[a] != 0]
+        if len({int(row[a]) for a, _ in spans}) != len(spans):  # an id in two runs
+            return None
+        runs.append(spans)
+    if sum(len(spans) for spans in runs) > -(-ids.shape[1] // chunk_size):
+        return None
+    return runs
+
+
+def _by_documents(run, query, key, value, mask, runs):
+    """The kernel on each document of each batch row alone (`_document_runs`), with
+    `is_causal` where the mask is causal; padding (id 0) gets zero rows."""
+    shape = ops.shape(query)
+    rows = []
+    for b, spans in enumerate(runs):
+        parts, at = [], 0
+        for start, end in spans:
+            if start > at:
+                parts.append(_zeros(value, 1, start - at, shape[2]))
+            q, k, v = (
+                masks_lib.slice_along(masks_lib.slice_along(x, 0, b, 1), 1, start, end - start)
+                for x in (query, key, value)
+            )
+            parts.append(run(q, k, v, None, None, mask.causal, None))
+            at = end
+        if at < shape[1]:
+            parts.append(_zeros(value, 1, shape[1] - at, shape[2]))
+        rows.append(parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=1))
+    return rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=0)
+
+
+def _zeros(value, batch, length, heads):
+    return ops.zeros((batch, length, heads, ops.shape(value)[3]), value.dtype)
 
 
 def _whole_mask(mask):
