@@ -586,11 +586,12 @@ def test_fused_goes_by_chunks_where_documents_would_not_pay(rng, monkeypatch):
     ]
     for mask, chunk_size in cases:
         calls.clear()
+        mask = _tensorize(mask)
 
-        def run(q, k, v, mask=_tensorize(mask), chunk_size=chunk_size):
+        def run(q, k, v, mask=mask, chunk_size=chunk_size):
             return fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=chunk_size)
 
-        def want(q, k, v, mask=_tensorize(mask)):
+        def want(q, k, v, mask=mask):
             return explicit.attention(q, k, v, scale=0.5, equations=EQUATIONS, mask=mask)[0]
 
         out, grads = value_and_grads(run, arrays)
