@@ -131,8 +131,11 @@ def _document_runs(query, key, mask, bias, chunk_size):
         return None
     if mask.query_valid is not None or (mask.causal and mask.static_offset != 0):
         return None
+    if chunk_size is None:
+        return None
     ids = ops.convert_to_numpy(segments)
-    if chunk_size is None or not np.array_equal(ids, ops.convert_to_numpy(mask.key_segments)):
+    keys = mask.key_segments  # the queries' own tensor unless key ids were given
+    if keys is not segments and not np.array_equal(ids, ops.convert_to_numpy(keys)):
         return None
     runs = []
     for row in ids:
@@ -155,7 +158,7 @@ def _by_documents(run, query, key, value, mask, runs):
         parts, at = [], 0
         for start, end in spans:
             if start > at:
-                parts.append(_zeros(value, 1, start - at, shape[2]))
+                parts.append(_zero_rows(query, value, start - at, batch=1))
             q, k, v = (
                 masks_lib.slice_along(masks_lib.slice_along(x, 0, b, 1), 1, start, end - start)
                 for x in (query, key, value)
@@ -163,13 +166,16 @@ def _by_documents(run, query, key, value, mask, runs):
             parts.append(run(q, k, v, None, None, mask.causal, None))
             at = end
         if at < shape[1]:
-            parts.append(_zeros(value, 1, shape[1] - at, shape[2]))
+            parts.append(_zero_rows(query, value, shape[1] - at, batch=1))
         rows.append(parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=1))
     return rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=0)
 
 
-def _zeros(value, batch, length, heads):
-    return ops.zeros((batch, length, heads, ops.shape(value)[3]), value.dtype)
+def _zero_rows(query, value, length, batch=None):
+    """Zero output rows `(B or batch, length, N, Hv)` for queries that see no key."""
+    shape = ops.shape(query)
+    batch = shape[0] if batch is None else batch
+    return ops.zeros((batch, length, shape[2], ops.shape(value)[3]), query.dtype)
 
 
 def _whole_mask(mask):
@@ -212,10 +218,7 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         elif narrowed:
             lo, hi = (int(x) for x in mask.visible_range(start, size, key_length))
             if hi == lo:  # no query of the chunk sees a key
-                shape = ops.shape(query)
-                outputs.append(
-                    ops.zeros((shape[0], size, shape[2], ops.shape(value)[3]), query.dtype)
-                )
+                outputs.append(_zero_rows(query, value, size))
                 continue
         block = mask.block(start, size, lo, hi - lo)
         kernel_mask, valid = _unmask_empty_rows(block)
