@@ -415,6 +415,82 @@ def test_rows_without_keys_are_zero_and_finite(rng):
         assert np.all(grads[0][0] == 0.0), kernel
 
 
+def _layout_copies(fn, arrays, shapes):
+    """The ops of `fn(*arrays)`'s forward and backward pass, as the backend traces or
+    dispatches them, that put a tensor of one of `shapes` into another layout:
+    TensorFlow's `Transpose`, JAX's `transpose`; in torch, a `clone` / `copy_` or a
+    strided view (its consumers read it out of order)."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def run(*tensors):
+            with tf.GradientTape() as tape:
+                tape.watch(tensors)
+                total = tf.reduce_sum(fn(*tensors))
+            return tape.gradient(total, tensors)
+
+        specs = [tf.TensorSpec(a.shape, a.dtype) for a in arrays]
+        graph = tf.function(run).get_concrete_function(*specs).graph
+        found = [(op.type, tuple(op.outputs[0].shape)) for op in graph.get_operations()]
+        return [(kind, shape) for kind, shape in found if kind == "Transpose" and shape in shapes]
+    if BACKEND == "jax":
+        import jax
+
+        def total(*tensors):
+            return jax.numpy.sum(fn(*tensors))
+
+        grad = jax.grad(total, argnums=tuple(range(len(arrays))))
+        found = []
+
+        def visit(jaxpr):
+            for eqn in jaxpr.eqns:
+                found.extend((eqn.primitive.name, tuple(v.aval.shape)) for v in eqn.outvars)
+                for param in eqn.params.values():
+                    for sub in param if isinstance(param, (list, tuple)) else [param]:
+                        inner = getattr(sub, "jaxpr", sub)
+                        if hasattr(inner, "eqns"):
+                            visit(inner)
+
+        visit(jax.make_jaxpr(grad)(*arrays).jaxpr)
+        return [(kind, shape) for kind, shape in found if kind == "transpose" and shape in shapes]
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                found.append((str(func), tuple(out.shape), out.is_contiguous()))
+            return out
+
+    tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
+    with Recorder():
+        fn(*tensors).sum().backward()
+    return [
+        (kind, shape)
+        for kind, shape, contiguous in found
+        if shape in shapes and (not contiguous or "clone" in kind or "copy_" in kind)
+    ]
+
+
+def test_explicit_scores_come_out_in_their_layout(rng):
+    """The explicit kernel's query-key product puts out the scores `(B, N, T, S)` as
+    they are used: no op copies the whole scores (or their gradient) from another
+    layout, forward or backward. Keras's TensorFlow einsum takes the built-in's
+    `key, query` order as a product of keys by queries and transposes its
+    `(B, N, S, T)` result: a pass over every score (the Benchmarks page, "Decisions")."""
+    t, s = 5, 7
+    q, k, v = _inputs(rng, t, s)
+
+    def run(q, k, v):
+        return explicit.attention(q, k, v, scale=0.5, equations=EQUATIONS)[0]
+
+    scores = {(B, N, t, s), (B, N, s, t)}
+    assert _layout_copies(run, (q, k, v), scores) == []
+
+
 def test_chunked_skips_keys_no_query_sees(rng, monkeypatch):
     """A causal chunk computes logits only against the keys up to its last query."""
     widths = []
