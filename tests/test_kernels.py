@@ -491,6 +491,17 @@ def test_explicit_scores_come_out_in_their_layout(rng):
     assert _layout_copies(run, (q, k, v), scores) == []
 
 
+def test_explicit_product_of_any_equation_gives_the_builtins_scores(rng):
+    """The query-first product equals the built-in's `einsum(equation, key, query)`,
+    for the layer's equations and for an equation without `->` (a subclass may
+    write one), which keeps its order."""
+    q, k, _ = _inputs(rng, 5, 7)
+    for equation in (EQUATIONS[0], "aecd,abcd", "...ecd,...bcd->...cbe"):
+        expected = to_numpy(ops.einsum(equation, k, q))
+        got = to_numpy(ops.einsum(*explicit._query_first(equation, k, q)))
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_chunked_skips_keys_no_query_sees(rng, monkeypatch):
     """A causal chunk computes logits only against the keys up to its last query."""
     widths = []

@@ -50,7 +50,7 @@ def attention(
     query = ops.multiply(query, ops.cast(scale, query.dtype))
     if backend.standardize_dtype(query.dtype) == "float16":  # logits could overflow
         query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
-    x = ops.cast(ops.einsum(_query_first(dot_product), query, key), "float32")
+    x = ops.cast(ops.einsum(*_query_first(dot_product, key, query)), "float32")
     if soft_cap is not None:
         x, _ = logits_lib.soft_cap(x, soft_cap)
     if bias is not None:
@@ -73,15 +73,19 @@ def attention(
     return output, scores
 
 
-def _query_first(equation):
-    """`equation` (the built-in's, `key, query -> scores`) with its operands swapped:
-    `query, key -> scores`, the same product. Keras's TensorFlow einsum runs the
-    built-in's order as keys times queries and transposes the whole `(B, N, S, T)`
-    result; in this order its product comes out as `(B, N, T, S)`. JAX and torch run
-    the same ops either way."""
+def _query_first(equation, key, query):
+    """`(equation, operands)` for the built-in's `key, query -> scores` product, with
+    the operands swapped where the equation names its output: `query, key -> scores`,
+    the same product. Keras's TensorFlow einsum runs the built-in's order as keys
+    times queries and transposes the whole `(B, N, S, T)` result; in this order its
+    product comes out as `(B, N, T, S)`. JAX and torch run the same ops either way.
+    An equation without `->` (a subclass's) keeps its order: its output's layout
+    follows its letters, not its operands."""
+    if "->" not in equation:
+        return equation, key, query
     operands, product = equation.split("->")
-    key, query = operands.split(",")
-    return f"{query},{key}->{product}"
+    key_letters, query_letters = operands.split(",")
+    return f"{query_letters},{key_letters}->{product}", query, key
 
 
 def _dense(mask, query, key):
