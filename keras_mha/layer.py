@@ -644,7 +644,11 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         )
         if cache_update_index is None:
             return None
-        return cache_lib.as_index(cache_update_index)
+        index = cache_lib.as_index(cache_update_index)
+        if isinstance(index, int) and not kernels.policy.current().sizes_from_data:
+            if kernels.trim.holds_data(query):
+                return ops.convert_to_tensor(index, "int32")  # one compiled step for all
+        return index
 
     def _rotate(self, x, start, positions=None):
         return rope.rotate(

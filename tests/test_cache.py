@@ -8,6 +8,7 @@ from keras import ops
 
 import keras_mha
 from keras_mha import cache as cache_lib
+from keras_mha import kernels
 
 B, L, D = 2, 6, 8
 HEADS, HEAD_DIM = 4, 2
@@ -154,6 +155,43 @@ def test_decoding_step_compiles_once(rng):
     np.testing.assert_allclose(np.concatenate(outputs, axis=1), full, atol=1e-5)
     if BACKEND in ("jax", "tensorflow"):
         assert len(traces) == 1  # the index is data, not a Python value
+
+
+def test_eager_decoding_with_a_python_int_index(rng, monkeypatch):
+    """A decoding loop run eagerly with a Python-int index, as a notebook writes it.
+    Where an eager call's sizes may follow its data (`Policy.sizes_from_data`), the
+    kernels get the index as an int (a cut's key range follows it); on JAX, whose
+    eager ops compile again for every new constant, as a tensor: after the first
+    step, no step compiles anything."""
+    layer = _layer(num_key_value_heads=2, normalize_qk=True, rope_max_wavelength=100)
+    x = rng.normal(size=(B, L, D)).astype("float32")
+    full = ops.convert_to_numpy(layer(x, x, use_causal_mask=True))
+    offsets, lowered = [], []
+    real = kernels.attention
+
+    def spy(*args, **kwargs):
+        offsets.append(kwargs["mask"].offset)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "attention", spy)
+    listener = None
+    if BACKEND == "jax":
+        import jax
+
+        def listener(event, *args, **kwargs):
+            if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and offsets:
+                lowered.append(len(offsets))
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        decoded, _ = _decode(layer, x, "int", use_causal_mask=True)
+    finally:
+        if listener is not None:
+            jax.monitoring.unregister_event_duration_listener(listener)
+    np.testing.assert_allclose(decoded, full, atol=1e-5)
+    from_data = kernels.policy.current().sizes_from_data
+    assert len(offsets) >= L and {isinstance(offset, int) for offset in offsets} == {from_data}
+    assert [step for step in lowered if step > 1] == []  # steps 2 ... L compiled nothing
 
 
 @pytest.mark.parametrize("scores", [False, True], ids=["output", "with_scores"])

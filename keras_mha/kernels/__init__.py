@@ -65,7 +65,10 @@ def attention(
         dtype, scores `(B, N, T, S)` or `None` when not requested.
     """
     dropping = seed is not None and dropout > 0.0
-    cut = None if return_scores else trim.cut(query, key, mask, dropout=dropping)
+    rules = policy.current()
+    cut = None
+    if rules.sizes_from_data and not return_scores:
+        cut = trim.cut(query, key, mask, dropout=dropping)
     if cut is not None:
         kept_query, kept_key, kept_value, kept_bias = cut.inputs(query, key, value, bias)
         output, _ = attention(
@@ -83,7 +86,6 @@ def attention(
             flash=flash,
         )
         return cut.output(output, query.shape[1]), None
-    rules = policy.current()
     call = policy.Call(
         scores=return_scores,
         rank4=len(query.shape) == 4 and equations[2] == 1,

@@ -77,6 +77,12 @@ class Policy:
             kernel takes those dtypes but no key padding whole (JAX's cuDNN kernel:
             half precision). In other dtypes the backend would run whole-score math,
             and chunks of queries stay leaner.
+        sizes_from_data: an eager call may take sizes from its data: padded
+            tails cut off (`trim.py`), and a Python-int `cache_update_index` kept
+            a constant, whose key ranges and RoPE positions then are. Not on JAX,
+            whose eager ops compile again for every new shape and constant: there
+            the index becomes a tensor, and the chunked kernel's loop bounds its
+            key blocks at run time.
     """
 
     kernel: str
@@ -93,6 +99,7 @@ class Policy:
     fused_key_padding: bool = True
     fold_key_padding: tuple = ()
     direct_projections: bool = False
+    sizes_from_data: bool = True
 
 
 # (backend, device) -> Policy. The measurements behind each entry are in
@@ -108,7 +115,7 @@ POLICIES = {
         dynamic=True,
     ),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
-    ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True),
+    ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True, sizes_from_data=False),
     ("jax", "gpu"): Policy(
         "fused",
         chunk_size=2048,
@@ -116,6 +123,7 @@ POLICIES = {
         fused_float16=True,
         fused_key_padding=False,
         fold_key_padding=("bfloat16", "float16"),
+        sizes_from_data=False,
     ),
     ("torch", "cpu"): Policy(
         "fused", chunk_size=256, in_place_bias=True, fused_float16=True, direct_projections=True
