@@ -82,10 +82,6 @@ class AttentionMask:
         offset = self.static_offset
         if offset is None or query_size is None or key_length is None:
             return 0, key_length
-        return self._range(query_start, query_size, key_length, offset)
-
-    def _range(self, query_start, query_size, key_length, offset):
-        """`key_range` at `offset`, an int or an integer scalar tensor."""
         lo, hi = 0, key_length
         last = query_start + query_size - 1 + offset
         if self.causal:
@@ -138,9 +134,7 @@ class AttentionMask:
 
         Needs a static `query_size` and `key_length`.
         """
-        # A decoding offset given as a tensor bounds the range at run time too.
-        lo, hi = self._range(query_start, query_size, key_length, self.offset)
-        lo, hi = _int32(lo), _int32(hi)
+        lo, hi = (_int32(x) for x in self.key_range(query_start, query_size, key_length))
         visible = None  # (B, S): some query of the chunk, in that batch row, may see it
         if self.query_segments is not None:
             rows = slice_along(self.query_segments, 1, query_start, query_size)

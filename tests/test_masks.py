@@ -3,7 +3,6 @@ block, `describe` (a call's masks -> one `AttentionMask`), `merge_masks` (the de
 form) and the key ranges that let a chunk skip keys no query of it can see. Each is
 checked against masks written out in NumPy."""
 
-import dataclasses
 import itertools
 
 import numpy as np
@@ -156,19 +155,6 @@ def test_key_range_is_tight():
         lo, hi = mask.key_range(start, 4, 16)
         seen = to_numpy(mask.block(start, 4, 0, 16)).reshape(4, 16).any(axis=0)
         assert seen[lo] and seen[hi - 1]
-
-
-@pytest.mark.parametrize("window", [None, 3])
-def test_visible_range_bounds_a_tensor_offset_as_an_int_one(window):
-    """A decoding offset given as a tensor (a compiled decoding step's index) bounds
-    `visible_range` at run time as a Python int bounds `key_range`: the compiled loop
-    then visits only the key blocks up to the index."""
-    for offset in (0, 5, 13):
-        static = masks.AttentionMask(causal=True, window=window, offset=offset)
-        dynamic = dataclasses.replace(static, offset=ops.convert_to_tensor(offset, "int32"))
-        for start, size in ((0, 1), (0, 4), (2, 3)):
-            lo, hi = (int(to_numpy(x)) for x in dynamic.visible_range(start, size, 20))
-            assert (lo, hi) == static.key_range(start, size, 20)
 
 
 # ------------------------------------------------------------------------ describe

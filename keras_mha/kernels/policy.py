@@ -81,8 +81,7 @@ class Policy:
             tails cut off (`trim.py`), and a Python-int `cache_update_index` kept
             a constant, whose key ranges and RoPE positions then are. Not on JAX,
             whose eager ops compile again for every new shape and constant: there
-            the index becomes a tensor, and the chunked kernel's loop bounds its
-            key blocks at run time.
+            the index becomes a tensor.
     """
 
     kernel: str
