@@ -450,6 +450,21 @@ def slice_along(x, axis, start, size):
     return ops.slice(x, starts, shape)
 
 
+def pad_along(x, axis, before, after):
+    """`x` with `before` and `after` zeros along `axis` (static widths).
+
+    Zeros joined on, not `ops.pad`: Keras's `pad` makes an `Operation` per call, whose
+    name it registers in a global dict, which `torch.compile` cannot trace inside a
+    custom gradient (the chunked kernel's backward): the graph broke there."""
+    parts = []
+    for width in (before, after):
+        shape = list(ops.shape(x))
+        shape[axis] = width
+        parts.append(ops.zeros(shape, x.dtype) if width else None)
+    pieces = [t for t in (parts[0], x, parts[1]) if t is not None]
+    return pieces[0] if len(pieces) == 1 else ops.concatenate(pieces, axis=axis)
+
+
 def block_of(x, query_start, query_size, key_start, key_size):
     """The `(query, key)` block of a tensor broadcastable to `(B, N, T, S)` (a dense
     mask, an attention bias), as rank 4; a broadcast axis of 1 stays as it is."""

@@ -62,7 +62,11 @@ FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
 # program in the test runs costs more than it saves there: test_layer and
 # test_layer_features on JAX 82 -> 91 s.)
 def _fast_compile_env(cache_dir):
-    flags = "--xla_backend_optimization_level=0"
+    # One LLVM module per program, not split for parallel code generation: the
+    # programs are small and the two runs keep both cores busy. Not for the
+    # notebooks, whose programs are optimised (slower there). Measured: the
+    # Benchmarks page, "Test-suite times".
+    flags = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
     return {**_xla_flags_env(flags), **_cache_env(cache_dir, 0.1)}
 
 

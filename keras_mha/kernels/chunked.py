@@ -385,7 +385,7 @@ def _forward_blocks(plan, inputs, start, size):
         block = plan.key_block_of(inputs, start, size, lo, j)
         x, mask, _ = block.logits()  # a key block always has a mask (`since`)
         x = ops.where(mask, x, logits_lib.MASKED)
-        new_peak = ops.maximum(peak, ops.max(x, axis=-1, keepdims=True))
+        new_peak = ops.maximum(peak, ops.amax(x, axis=-1, keepdims=True))
         weights = ops.where(mask, ops.exp(x - new_peak), 0.0)  # masked: exactly 0
         rescale = ops.exp(peak - new_peak)
         total = total * rescale + ops.sum(weights, axis=-1, keepdims=True)
@@ -693,7 +693,7 @@ class _Unrolled:
         self.d_value.add(d_value, block.lo, hi)
         if d_bias is not None:
             if self.bias_shape[3] != 1 and hi is not None:
-                d_bias = ops.pad(d_bias, [(0, 0)] * 3 + [(block.lo, self.key_length - hi)])
+                d_bias = masks.pad_along(d_bias, 3, block.lo, self.key_length - hi)
             if self.bias_shape[2] != 1:
                 self.bias_rows.append(d_bias)
             else:
@@ -756,7 +756,7 @@ def _width(lo, hi):
 
 
 def _pad_keys(x, before, after):
-    return ops.pad(x, [(0, 0), (0, 0), (0, 0), (before, after)])
+    return masks.pad_along(x, 3, before, after)
 
 
 def _add_at(buffer, part, starts, padded):

@@ -105,7 +105,7 @@ def _folded(run, query, key, value, mask, scale):
     )
     value_channels = value.shape[-1]
     if value_channels == channels:  # the kernels want equal head sizes
-        value = ops.pad(value, [(0, 0), (0, 0), (0, 0), (0, extra)])
+        value = masks_lib.pad_along(value, 3, 0, extra)
     empty = mask.empty_rows(ops.shape(query)[1], ops.shape(key)[1])  # (B, 1, T)
     valid = ops.logical_not(empty)[..., None]  # (B, 1, T, 1), as a kernel mask's rows
     output = run(query, key, value, None, valid, mask.causal, None)

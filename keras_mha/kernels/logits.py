@@ -114,8 +114,9 @@ def _peak(x, axes, sinks):
         peak = ops.max(x, axis=axes, keepdims=True, initial=MASKED)
     elif all(shape):
         # Not `initial`: Keras's torch `max` builds it on the CPU (3.15), and a call on
-        # the GPU fails.
-        peak = ops.maximum(ops.max(x, axis=axes, keepdims=True), MASKED)
+        # the GPU fails. `amax`: `max` asks whether a tensor's `values` is a tensor,
+        # which `torch.compile` cannot trace (the graph broke there).
+        peak = ops.maximum(ops.amax(x, axis=axes, keepdims=True), MASKED)
     else:  # nothing to reduce: an empty batch or key range
         reduced = {axis % len(shape) for axis in axes}
         peak = ops.full([1 if i in reduced else n for i, n in enumerate(shape)], MASKED, x.dtype)

@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import threading
 
 from keras import backend
 
@@ -136,11 +137,15 @@ POLICIES = {
 
 
 _OVERRIDE = contextvars.ContextVar("keras_mha_policy_override", default=None)
+# How many `overriding` blocks are open, in any thread: while none is, `current` reads
+# no context variable, which `torch.compile` cannot trace (each read split the graph).
+_open_overrides = 0
+_open_overrides_lock = threading.Lock()
 
 
 def current():
     """The policy of the running backend and its default device (or `overriding`'s)."""
-    overridden = _OVERRIDE.get()
+    overridden = _OVERRIDE.get() if _open_overrides else None
     if overridden is not None:
         return overridden
     name = backend.backend()
@@ -151,10 +156,15 @@ def current():
 def overriding(**changes):
     """Inside the block, `current()` is the running backend's row with `changes`
     (field names of `Policy`); the kernels read it when they trace or run."""
+    global _open_overrides
     token = _OVERRIDE.set(dataclasses.replace(current(), **changes))
+    with _open_overrides_lock:
+        _open_overrides += 1
     try:
         yield
     finally:
+        with _open_overrides_lock:
+            _open_overrides -= 1
         _OVERRIDE.reset(token)
 
 

@@ -47,7 +47,7 @@ class Cut:
         """`output` `(B, queries, N, Hv)` with zero rows for the cut queries."""
         if self.queries == query_length:
             return output
-        return ops.pad(output, [(0, 0), (0, query_length - self.queries), (0, 0), (0, 0)])
+        return masks_lib.pad_along(output, 1, 0, query_length - self.queries)
 
 
 def cut(query, key, mask, *, dropout):
