@@ -5,7 +5,7 @@ backward too, without inductor's code generation). The compiled outputs and inpu
 gradients are the eager ones.
 
 Not covered on torch: attention dropout (Keras's `SeedGenerator.next` breaks the graph,
-the built-in's too) and a decoding step with a cache (each new index recompiles)."""
+the built-in's too) and a decoding step with a cache (see the Benchmarks page)."""
 
 import keras
 import numpy as np
