@@ -2,6 +2,7 @@
 and every logit feature; the dropout hash; the chunked kernel's key ranges."""
 
 import dataclasses
+import threading
 
 import keras
 import numpy as np
@@ -926,7 +927,21 @@ def test_policy_table_covers_every_backend():
 
 
 def test_overriding_a_policy_row_lasts_for_its_block():
+    """Nested blocks each give their row back; another thread keeps the plain row
+    while a block is open; an exception leaves no block open."""
     row = kernels.policy.current()
+    seen_in_thread = []
     with kernels.policy.overriding(chunk_size=row.chunk_size + 1):
         assert kernels.policy.current() == dataclasses.replace(row, chunk_size=row.chunk_size + 1)
+        with kernels.policy.overriding(loop=not row.loop):
+            inner = kernels.policy.current()
+            assert (inner.chunk_size, inner.loop) == (row.chunk_size + 1, not row.loop)
+        assert kernels.policy.current().loop == row.loop
+        thread = threading.Thread(target=lambda: seen_in_thread.append(kernels.policy.current()))
+        thread.start()
+        thread.join()
+    assert seen_in_thread == [row]
     assert kernels.policy.current() == row
+    with pytest.raises(RuntimeError), kernels.policy.overriding(chunk_size=3):
+        raise RuntimeError
+    assert kernels.policy.current() == row and kernels.policy._open_overrides == 0
