@@ -5,7 +5,7 @@ backward too, without inductor's code generation). The compiled outputs and inpu
 gradients are the eager ones.
 
 Not covered on torch: attention dropout (Keras's `SeedGenerator.next` breaks the graph,
-the built-in's too) and a decoding step with a cache (see the Benchmarks page)."""
+the built-in's too)."""
 
 import keras
 import numpy as np
@@ -101,3 +101,41 @@ def test_compiled_whole_gives_the_eager_outputs_and_gradients(rng, features):
     np.testing.assert_allclose(out, eager_out, atol=ATOL)
     np.testing.assert_allclose(grad, eager_grad, atol=ATOL)
     assert np.abs(eager_grad).max() > 0
+
+
+def test_compiled_decoding_step_gives_the_causal_call(rng):
+    """A decoding step with a cache, compiled whole: the tokens one by one give the
+    causal call on the whole sequence; torch compiles it at most twice (the first
+    cache takes no gradient, the returned ones do), not once per index."""
+    config, _ = FEATURES["modern+bias"]
+    layer = keras_mha.MultiHeadAttention(**config)
+    x = rng.standard_normal((B, T, DIM)).astype("float32")
+    full = to_numpy(layer(x, x, use_causal_mask=True))
+
+    def step(token, cache, index):
+        return layer(token, token, cache=cache, cache_update_index=index, use_causal_mask=True)
+
+    if BACKEND == "jax":
+        import jax
+
+        step = jax.jit(step)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(step, jit_compile=True)
+    else:
+        import torch
+
+        torch._dynamo.reset()
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
+    cache = layer.init_cache(B, T)
+    outputs = []
+    for t in range(T):
+        token = keras.ops.convert_to_tensor(x[:, t : t + 1])
+        out, cache = step(token, cache, keras.ops.convert_to_tensor(t, dtype="int32"))
+        outputs.append(to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1), full, atol=ATOL)
+    if BACKEND == "torch":
+        from torch._dynamo.utils import counters
+
+        assert counters["stats"]["unique_graphs"] <= 2
