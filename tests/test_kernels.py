@@ -208,6 +208,42 @@ def test_chunked_dropout_equals_explicit_dropout(rng, kernel):
     assert np.abs(first - second).max() > 1e-2
 
 
+@pytest.mark.parametrize("kernel", CHUNKED)
+@pytest.mark.parametrize("masking", ["none", "causal+padding", "segments+causal+window+padding"])
+def test_forward_chunks_other_than_the_backwards_change_nothing(rng, kernel, masking):
+    """`forward_chunk_size` (`Policy.chunk_bytes`): the forward's chunks of 3 rows,
+    the backward's of 4, dropout and a bias included, give the explicit kernel's
+    outputs and gradients."""
+    mask = MASKS[masking](T, T)
+    seed = ops.convert_to_tensor(np.array([3, 11]), "int32")
+    bias = rng.standard_normal((1, N, T, T)).astype("float32")
+    arrays = (*_inputs(rng), bias)
+    expected = value_and_grads(_run("explicit", mask, ("bias",), dropout=0.4, seed=seed), arrays)
+
+    def split(q, k, v, b):
+        loop, dynamic = kernel != "chunked", kernel == "dynamic"
+        return chunked.attention(
+            q,
+            k,
+            v,
+            scale=H**-0.5,
+            mask=_tensorize(mask),
+            bias=b,
+            dropout=0.4,
+            seed=seed,
+            chunk_size=4,
+            forward_chunk_size=3,
+            key_block=4,
+            loop=loop,
+            dynamic=dynamic,
+        )
+
+    out, grads = value_and_grads(split, arrays)
+    np.testing.assert_allclose(out, expected[0], atol=ATOL)
+    for got, want in zip(grads, expected[1]):
+        np.testing.assert_allclose(got, want, atol=ATOL)
+
+
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
 def test_dropout_keep_rate_and_independence(rate):
     """The hash drops a fraction `rate` (within 5 binomial sigmas), independently of
@@ -908,6 +944,55 @@ def test_policy_takes_the_explicit_kernel_for_small_calls_that_skip_no_keys():
     assert choose(None, call(score_entries=4), kernels.policy.Policy("chunked")) == "chunked"
     fused = kernels.policy.Policy("fused", explicit_up_to=100)
     assert choose(None, call(score_entries=4), fused) == "fused"
+
+
+def test_forward_chunks_halve_only_where_their_logits_would_reach_the_limit():
+    rows = kernels.policy.forward_chunk_rows
+    rules = kernels.policy.Policy("chunked", chunk_size=256, chunk_bytes=32 << 20)
+    # Unmasked T=S=8192, 4 heads: 256 rows hold 32 MiB of float32 logits, 128 half that.
+    assert rows(rules, (1, 8192, 4, 64), 8192, None, True) == 128
+    assert rows(rules, (None, 8192, 4, 64), 8192, None, True) == 128  # B unknown: 1
+    assert rows(rules, (2, 8192, 4, 64), 8192, None, True) == 64
+    assert rows(rules, (64, 8192, 16, 64), 8192, None, True) == kernels.policy.MIN_CHUNK_ROWS
+    assert rows(rules, (1, 4096, 4, 64), 4096, None, True) == 256
+    # Causal chunks see (S + rows) / 2 keys on average: 17 MiB at 256 rows.
+    causal = masks.AttentionMask(causal=True, key_valid=np.ones((1, 8192), bool))
+    assert rows(rules, (1, 8192, 4, 64), 8192, causal, True) == 256
+    decoding = masks.AttentionMask(causal=True, offset=ops.convert_to_tensor(3))
+    assert rows(rules, (1, 8192, 4, 64), 8192, decoding, True) == 128  # offset unknown: all S
+    window = masks.AttentionMask(window=512)
+    assert rows(rules, (1, 8192, 8, 64), 8192, window, True) == 256  # 256 + 2 x 511 keys
+    # Not in a static loop, with sizes unknown while tracing, or without a limit.
+    assert rows(rules, (1, 8192, 4, 64), 8192, None, False) == 256
+    assert rows(rules, (1, None, 4, 64), 8192, None, True) == 256
+    assert rows(rules, (1, 8192, 4, 64), None, None, True) == 256
+    assert (
+        rows(dataclasses.replace(rules, chunk_bytes=None), (1, 8192, 4, 64), 8192, None, True)
+        == 256
+    )
+
+
+def test_the_layers_call_passes_the_forward_rows_unless_told_a_chunk_size(rng, monkeypatch):
+    seen = []
+    monkeypatch.setattr(chunked, "attention", lambda *a, **kw: seen.append(kw) or a[0])
+    q, k, v = _inputs(rng, t=16, s=16)
+    # 384 bytes of float32 logits per query row here (B=2, N=3, S=16): a limit of
+    # 1 KiB would take 2 rows; the floor (4 here) stops the halving at 4.
+    monkeypatch.setattr(kernels.policy, "MIN_CHUNK_ROWS", 4)
+    with kernels.policy.overriding(
+        kernel="chunked", chunk_size=8, chunk_bytes=1 << 10, dynamic=True, loop=True
+    ):
+        for chunk_size in (None, 2):
+            kernels.attention(
+                q,
+                k,
+                v,
+                scale=1.0,
+                equations=EQUATIONS,
+                implementation="chunked",
+                chunk_size=chunk_size,
+            )
+    assert [(kw["chunk_size"], kw["forward_chunk_size"]) for kw in seen] == [(8, 4), (2, 2)]
 
 
 def test_score_entries_are_known_only_for_static_sizes():

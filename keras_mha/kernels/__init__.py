@@ -124,6 +124,13 @@ def attention(
             chunk_size=chunk_size or rules.chunk_size,
         )
         return output, None
+    dynamic = policy.dynamic_loop(rules)
+    forward_chunk_size = chunk_size
+    if chunk_size is None:
+        chunk_size = rules.chunk_size
+        forward_chunk_size = policy.forward_chunk_rows(
+            rules, query.shape, key.shape[1], mask, dynamic
+        )
     output = chunked.attention(
         query,
         key,
@@ -135,12 +142,13 @@ def attention(
         sinks=sinks,
         dropout=dropout,
         seed=seed if dropping else None,
-        chunk_size=chunk_size or rules.chunk_size,
+        chunk_size=chunk_size,
+        forward_chunk_size=forward_chunk_size,
         key_block=rules.key_block,
         key_multiple=rules.key_multiple,
         in_flight=rules.in_flight,
         loop=rules.loop,
-        dynamic=policy.dynamic_loop(rules),
+        dynamic=dynamic,
         differentiable=rules.trains,
     )
     return output, None

@@ -53,6 +53,7 @@ def attention(
     dropout=0.0,
     seed=None,
     chunk_size=256,
+    forward_chunk_size=None,
     key_block=512,
     key_multiple=1,
     in_flight=None,
@@ -72,6 +73,9 @@ def attention(
         dropout: attention dropout rate; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask.
         chunk_size: query rows per chunk.
+        forward_chunk_size: query rows per chunk of the forward pass, when other
+            than `chunk_size` (the backward's); every chunking gives the same
+            results, dropout included (it is drawn per query and key).
         key_block: keys per block of a static loop's chunk (at most `S`).
         key_multiple: a dynamic loop widens each chunk's key range, found at run
             time, out to multiples of this many keys (the extra keys masked), so
@@ -86,9 +90,14 @@ def attention(
     """
     if dynamic and backend.backend() == "jax":
         raise ValueError("The chunked kernel's dynamic loop needs dynamic shapes; JAX has none.")
-    plan = _Plan.make(
-        query, key, mask, chunk_size, in_flight, loop, dynamic, key_block, key_multiple
-    )
+
+    def plan_of(rows):
+        return _Plan.make(query, key, mask, rows, in_flight, loop, dynamic, key_block, key_multiple)
+
+    plan = plan_of(chunk_size)
+    forward_plan = plan
+    if forward_chunk_size not in (None, chunk_size):
+        forward_plan = plan_of(forward_chunk_size)
     options = _Options(scale, mask, soft_cap, dropout if seed is not None else 0.0, seed)
     tensors = [query, key, value]
     if bias is not None:
@@ -104,13 +113,13 @@ def attention(
         return _Inputs(options, *args, b, s)
 
     if not differentiable:
-        output, _ = _forward(plan, unpack(tensors))
+        output, _ = _forward(forward_plan, unpack(tensors))
         return _from_heads(output, value.dtype)
 
     @ops.custom_gradient
     def run(*args):
         inputs = unpack(args)
-        output, logsumexp = _forward(plan, inputs)
+        output, logsumexp = _forward(forward_plan, inputs)
 
         def grad(*upstream_args, upstream=None):
             if upstream is None:  # TensorFlow and JAX pass it positionally

@@ -37,6 +37,15 @@ class Policy:
             compiled primitive per shape: without it, a train step on packed rows
             grew the process by 16 MiB for every batch of new documents, up to the
             cache's limit.
+        chunk_bytes: `None`, or a dynamic loop's forward chunks of queries halve
+            (`forward_chunk_rows`, down to `MIN_CHUNK_ROWS`) until their float32
+            logits, batch x heads x rows x the keys a chunk sees on average
+            (causality and the window bound them), take fewer bytes than this.
+            glibc's malloc serves a block of 32 MiB or more by a fresh `mmap` every
+            time, whose every page then faults when written, and TensorFlow's CPU
+            allocator is malloc (the Benchmarks page, "Decisions"). The backward
+            keeps `chunk_size`: each of its chunks adds into the whole key and value
+            gradients, a cost per chunk that more chunks multiply.
         in_flight: how many query chunks of a forward pass may run at once;
             `None` for no limit. TensorFlow's graph executor otherwise starts every
             chunk together and the memory saving is gone; two overlap one chunk's
@@ -89,6 +98,7 @@ class Policy:
     chunk_size: int = 256
     key_block: int = 512
     key_multiple: int = 1
+    chunk_bytes: int | None = None
     in_flight: int | None = None
     explicit_up_to: int | None = None
     loop: bool = False
@@ -109,6 +119,7 @@ POLICIES = {
         "chunked",
         chunk_size=256,
         key_multiple=128,
+        chunk_bytes=32 << 20,
         in_flight=2,
         explicit_up_to=1 << 22,
         loop=True,
@@ -184,6 +195,48 @@ def _device(name):
 
         return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
     return "cpu"
+
+
+# `Policy.chunk_bytes` halves chunks no further: smaller ones were slower (the
+# Benchmarks page, "Decisions").
+MIN_CHUNK_ROWS = 64
+
+
+def forward_chunk_rows(rules, query_shape, key_length, mask, dynamic):
+    """Query rows per chunk of the chunked kernel's forward pass: `rules.chunk_size`,
+    halved while a dynamic loop's chunk would hold `rules.chunk_bytes` of logits or
+    more (`Policy.chunk_bytes`).
+
+    Args:
+        rules: a `Policy`.
+        query_shape: `(B, T, N, H)`; an unknown `B` counts as 1.
+        key_length: `S`, or `None` when unknown while tracing.
+        mask: the call's `AttentionMask`, or `None`.
+        dynamic: the chunks run in a dynamic loop (`dynamic_loop`).
+    """
+    rows = rules.chunk_size
+    batch, length, heads = query_shape[0], query_shape[1], query_shape[2]
+    sizes = (length, key_length, heads)
+    if rules.chunk_bytes is None or not dynamic or not all(isinstance(d, int) for d in sizes):
+        return rows
+    batch = batch if isinstance(batch, int) else 1
+    while rows > MIN_CHUNK_ROWS and (
+        4 * batch * heads * rows * _mean_keys(mask, length, key_length, rows) >= rules.chunk_bytes
+    ):
+        rows //= 2
+    return rows
+
+
+def _mean_keys(mask, length, key_length, rows):
+    """The keys a chunk of `rows` queries sees on average, by causality and the window
+    (the whole `S` where they are not known while tracing)."""
+    widths = []
+    for start in range(0, length, rows):
+        lo, hi = (0, key_length) if mask is None else mask.key_range(start, rows, key_length)
+        if not (isinstance(lo, int) and isinstance(hi, int)):
+            return key_length
+        widths.append(hi - lo)
+    return sum(widths) / max(len(widths), 1)
 
 
 def dynamic_loop(policy):
