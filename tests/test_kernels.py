@@ -114,6 +114,7 @@ def _run(kernel, mask, extras=None, **options):
     # The static loop's chunks by blocks of 4 keys unless told: several per chunk,
     # the last one moved back where S is no multiple of 4.
     key_block = options.pop("key_block", 4)
+    forward_chunk_size = options.pop("forward_chunk_size", None)  # the chunked kernel's
 
     def fn(q, k, v, *rest):
         named = dict(zip(extras, rest))
@@ -130,7 +131,15 @@ def _run(kernel, mask, extras=None, **options):
         if kernel == "widened":  # key ranges out to multiples of 3 keys: extra keys masked
             kwargs["key_multiple"] = 3
         return chunked.attention(
-            q, k, v, chunk_size=4, key_block=key_block, loop=loop, dynamic=dynamic, **kwargs
+            q,
+            k,
+            v,
+            chunk_size=4,
+            forward_chunk_size=forward_chunk_size,
+            key_block=key_block,
+            loop=loop,
+            dynamic=dynamic,
+            **kwargs,
         )
 
     return fn
@@ -214,34 +223,10 @@ def test_forward_chunks_other_than_the_backwards_change_nothing(rng, kernel, mas
     """`forward_chunk_size` (`Policy.chunk_bytes`): the forward's chunks of 3 rows,
     the backward's of 4, dropout and a bias included, give the explicit kernel's
     outputs and gradients."""
-    mask = MASKS[masking](T, T)
     seed = ops.convert_to_tensor(np.array([3, 11]), "int32")
-    bias = rng.standard_normal((1, N, T, T)).astype("float32")
-    arrays = (*_inputs(rng), bias)
-    expected = value_and_grads(_run("explicit", mask, ("bias",), dropout=0.4, seed=seed), arrays)
-
-    def split(q, k, v, b):
-        loop, dynamic = kernel != "chunked", kernel == "dynamic"
-        return chunked.attention(
-            q,
-            k,
-            v,
-            scale=H**-0.5,
-            mask=_tensorize(mask),
-            bias=b,
-            dropout=0.4,
-            seed=seed,
-            chunk_size=4,
-            forward_chunk_size=3,
-            key_block=4,
-            loop=loop,
-            dynamic=dynamic,
-        )
-
-    out, grads = value_and_grads(split, arrays)
-    np.testing.assert_allclose(out, expected[0], atol=ATOL)
-    for got, want in zip(grads, expected[1]):
-        np.testing.assert_allclose(got, want, atol=ATOL)
+    arrays = (*_inputs(rng), rng.standard_normal((1, N, T, T)).astype("float32"))
+    options = dict(dropout=0.4, seed=seed, forward_chunk_size=3)
+    _assert_same(kernel, MASKS[masking](T, T), arrays, ("bias",), **options)
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
