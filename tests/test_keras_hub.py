@@ -222,6 +222,39 @@ def _two_towers(backbone, vision, text, **kwargs):
     return build
 
 
+@keras.saving.register_keras_serializable("keras_mha_tests")
+class SAM3TextBackbone(models.Backbone):
+    """SAM3's text tower as a backbone of its own: `keras_hub.layers.SAM3TextEncoder`
+    wired as `SAM3PromptableConceptBackbone` wires it (int32 token ids and padding
+    mask, the mask cast to bool; its blocks pass the built-in a `(B, 1, T, T)`
+    attention mask). The text encoder holds SAM3's only built-in attention. The
+    whole backbone is not in the zoo: at a tiny config it takes about 50 s to build
+    and call on JAX, and its geometry encoder needs torchvision on torch."""
+
+    def __init__(self, text_encoder, dtype=None, **kwargs):
+        token_ids = keras.Input((None,), dtype="int32", name="token_ids")
+        padding_mask = keras.Input((None,), dtype="int32", name="padding_mask")
+        features = text_encoder(token_ids, keras.ops.cast(padding_mask, "bool"))
+        inputs = {"token_ids": token_ids, "padding_mask": padding_mask}
+        super().__init__(inputs=inputs, outputs=features, dtype=dtype, **kwargs)
+        self.text_encoder = text_encoder
+
+    def get_config(self):
+        return {**super().get_config(), "text_encoder": keras.layers.serialize(self.text_encoder)}
+
+    @classmethod
+    def from_config(cls, config):
+        text_encoder = keras.layers.deserialize(config["text_encoder"])
+        return cls(**{**config, "text_encoder": text_encoder})
+
+
+def _sam3():
+    text_encoder = keras_hub.layers.SAM3TextEncoder(
+        vocabulary_size=VOCAB, embedding_dim=8, num_layers=1, max_sequence_length=LENGTH, **TINY
+    )
+    return SAM3TextBackbone(text_encoder)
+
+
 # keras-hub package (keras_hub/src/models/<package>) -> zoo entry.
 ZOO = {
     "gpt2": Case(_gpt2, generates=True),
@@ -261,6 +294,7 @@ ZOO = {
             projection_dim=8,
         )
     ),
+    "sam3": Case(_sam3),
 }
 
 
@@ -270,8 +304,6 @@ OUT_OF_SCOPE = {
     "pali_gemma": "the built-in is only in its ViT's `vit_pooling='map'` head, which "
     "PaliGemmaBackbone cannot build in keras-hub 0.32 (MultiHeadAttentionPooling.build: "
     "TypeError: unhashable type: 'DTypePolicy')",
-    "sam3": "its text encoder's plain keras.layers.MultiHeadAttention is not covered "
-    "yet: a SAM3 backbone needs its whole detector stack, no tiny constructor path",
 }
 PACKAGES = {"metaclip2": "metaclip_2", "vit": "vit"}  # zoo name -> package, where they differ
 # The keras-hub layers built on the built-in attention; a model that imports one holds it.
