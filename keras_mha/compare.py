@@ -36,6 +36,7 @@ for a query row), so their rounding error grows with their magnitude: they must 
 relative beyond.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -916,10 +917,35 @@ def run_model_backend(
         user_model.UsageError: The child found the file, a module or the inputs unusable.
     """
     _check_backend(backend)
+    with _shared_compile_cache(backend) as env:
+        record = _model_and_memory(backend, path, imports, inputs, repeats, memory, perturb, env)
+    if on_record is not None:
+        on_record(record)
+    return [record]
+
+
+@contextlib.contextmanager
+def _shared_compile_cache(backend):
+    """Environment for the child processes of one model's comparison: on JAX, a
+    persistent compilation cache of their own (unless the caller set one), so the
+    memory runs load the programs that the comparison compiled instead of compiling
+    them again, and their peaks leave the compiler out (the Benchmarks page,
+    "`keras-mha compare`")."""
+    if backend != "jax" or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        yield {}
+        return
+    with tempfile.TemporaryDirectory(prefix="keras-mha-jax-cache-") as cache:
+        yield {
+            "JAX_COMPILATION_CACHE_DIR": cache,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        }
+
+
+def _model_and_memory(backend, path, imports, inputs, repeats, memory, perturb, env):
     job = {"path": os.path.abspath(path), "imports": list(imports), "seed": 0}
     job["inputs"] = None if inputs is None else os.path.abspath(inputs)
     records, code, tail = _spawn(
-        backend, {"job": "model", **job, "repeats": repeats, "perturb": perturb}
+        backend, {"job": "model", **job, "repeats": repeats, "perturb": perturb}, env=env
     )
     if not records:
         record = dict.fromkeys(RECORD_KEYS)
@@ -935,7 +961,7 @@ def run_model_backend(
     record = records[0]
     if memory and record["ours_error"] is None:
         for which in ("builtin", "ours"):
-            found, _, tail = _spawn(backend, {"job": "memory", "which": which, **job})
+            found, _, tail = _spawn(backend, {"job": "memory", "which": which, **job}, env=env)
             if found:
                 record[f"{which}_peak_mib"] = found[0]["peak_mib"]
             elif which == "ours":
@@ -945,9 +971,7 @@ def run_model_backend(
                 record["builtin_error"] = f"memory run failed: {tail[0] if tail else ''}"[:300]
         if record["ours_peak_mib"] and record["builtin_peak_mib"]:
             record["peak_ratio"] = record["ours_peak_mib"] / record["builtin_peak_mib"]
-    if on_record is not None:
-        on_record(record)
-    return [record]
+    return record
 
 
 def run_swap(backend, in_path, out_path, imports=(), inputs=None, perturb=0.0):
@@ -980,8 +1004,8 @@ def _check_backend(backend):
         )
 
 
-def _spawn(backend, spec, on_record=None):
-    """Runs `python -m keras_mha.compare SPEC` with `KERAS_BACKEND=backend`.
+def _spawn(backend, spec, on_record=None, env=None):
+    """Runs `python -m keras_mha.compare SPEC` with `KERAS_BACKEND=backend` (and `env`).
 
     Returns `(records, exit status, [last line of stderr])`. A usage error reported by
     the child is raised here as `user_model.UsageError`.
@@ -997,6 +1021,7 @@ def _spawn(backend, spec, on_record=None):
             "KERAS_BACKEND": backend,
             "TF_CPP_MIN_LOG_LEVEL": "3",
             "PYTHONWARNINGS": "ignore",
+            **(env or {}),
         }
         log_path = os.path.join(tmp, "stderr.log")
         records, usage_error = [], None

@@ -168,3 +168,45 @@ def test_compare_model_passes_padded_inputs_reaching_the_output(tmp_path):
         return
     assert done.returncode == 0, done.stdout + done.stderr
     assert "padded" in done.stdout and "FAIL" not in done.stdout
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    ("backend", "preset", "shared"),
+    [("jax", None, True), ("jax", "/tmp/yours", False), ("torch", None, False)],
+)
+def test_model_comparison_processes_share_a_jax_compilation_cache(
+    monkeypatch, backend, preset, shared
+):
+    """`compare --model` runs three processes per backend (the comparison, then each
+    model's memory): on JAX they share a compilation cache of the run's own, which
+    exists while they run and is gone after; a cache the caller set is left alone."""
+    from keras_mha import compare
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    if preset:
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", preset)
+    seen = []
+
+    def spawn(backend, spec, on_record=None, env=None):
+        env = env or {}
+        cache = env.get("JAX_COMPILATION_CACHE_DIR")
+        seen.append((spec["job"], cache, cache is not None and os.path.isdir(cache)))
+        if spec["job"] == "memory":
+            return [{"peak_mib": 100.0}], 0, []
+        record = dict.fromkeys(compare.RECORD_KEYS)
+        record.update(backend=backend, ours_error=None, passed=True)
+        return [record], 0, []
+
+    monkeypatch.setattr(compare, "_spawn", spawn)
+    (record,) = compare.run_model_backend(backend, "model.keras")
+    assert record["peak_ratio"] == 1.0
+    assert [job for job, _, _ in seen] == ["model", "memory", "memory"]
+    caches = {cache for _, cache, _ in seen}
+    assert len(caches) == 1
+    (cache,) = caches
+    if shared:
+        assert all(exists for _, _, exists in seen)
+        assert not os.path.exists(cache)  # removed with the run
+    else:
+        assert cache is None  # the children inherit the caller's environment as it is
