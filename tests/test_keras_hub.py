@@ -228,8 +228,9 @@ class SAM3TextBackbone(models.Backbone):
     wired as `SAM3PromptableConceptBackbone` wires it (int32 token ids and padding
     mask, the mask cast to bool; its blocks pass the built-in a `(B, 1, T, T)`
     attention mask). The text encoder holds SAM3's only built-in attention. The
-    whole backbone is not in the zoo: at a tiny config it takes about 50 s to build
-    and call on JAX, and its geometry encoder needs torchvision on torch."""
+    whole backbone is not in the zoo: even tiny, it is slow to build and call on JAX,
+    and its geometry encoder needs torchvision on torch (the guide, "keras-hub
+    models")."""
 
     def __init__(self, text_encoder, dtype=None, **kwargs):
         token_ids = keras.Input((None,), dtype="int32", name="token_ids")
