@@ -102,7 +102,7 @@ for b in $BACKENDS; do
   (KERAS_BACKEND=$b JAX_DEFAULT_MATMUL_PRECISION=highest timeout -s INT -k 10 "$left" \
      $PY -m pytest -q -n "$workers" -p no:cacheprovider -rfE \
      tests/test_layer*.py tests/test_kernels.py tests/test_masks.py tests/test_cache.py \
-     tests/test_trim.py tests/test_kernel_choice.py tests/test_numerics.py >"$OUT/fast-$b.log" 2>&1
+     tests/test_trim.py tests/test_kernel_choice.py tests/test_numerics.py tests/test_rope.py >"$OUT/fast-$b.log" 2>&1
    done_part "fast modules $b" $?) &
 done
 wait

@@ -256,6 +256,40 @@ def test_causal_padding_runs_the_fused_kernel_without_a_dense_mask(mask):
     np.testing.assert_allclose(_numpy(output), _numpy(explicit(x, x, **kwargs)), **BF16)
 
 
+# Packed rows of T=2048: two documents each (the second row ends in padding, id 0),
+# lengths multiples of 64 (what cuDNN takes alone).
+PACKED_DOCUMENTS = ((1216, 832), (896, 1024))
+PACKED_LENGTH = 2048
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_rows_run_the_fused_kernel_and_give_each_document_its_own_row(causal):
+    """`segment_ids` on the GPU's fused kernels (issue 31): every document of a packed
+    row gets what it gets alone in a row of its own, padding gets zeros. On torch (an
+    eager call) each document runs whole, alone, with no mask; under `jax.jit` cuDNN
+    takes chunks of queries with their block-diagonal masks."""
+    x = _inputs((len(PACKED_DOCUMENTS), PACKED_LENGTH, FUSED_SHAPE[2]), seed=3)
+    ids = np.zeros(x.shape[:2], "int32")
+    for row, lengths in enumerate(PACKED_DOCUMENTS):
+        ends = np.cumsum(lengths)
+        for i, (start, end) in enumerate(zip(ends - lengths, ends)):
+            ids[row, start:end] = i + 1
+    layer, _ = _fused_layer()
+    output, evidence = _kernels_that_ran(layer, x, segment_ids=ids, use_causal_mask=causal)
+    _assert_fused(evidence)
+    if BACKEND == "torch":
+        masks = evidence[2]
+        assert masks and all(len(m) == 0 for m in masks), masks
+    output = _numpy(output)
+    for row, lengths in enumerate(PACKED_DOCUMENTS):
+        ends = np.cumsum(lengths)
+        for start, end in zip(ends - lengths, ends):
+            document = x[row : row + 1, start:end]
+            alone = _numpy(layer(document, document, use_causal_mask=causal))
+            np.testing.assert_allclose(output[row : row + 1, start:end], alone, **BF16)
+        np.testing.assert_array_equal(output[row, ends[-1] :], 0.0)
+
+
 @pytest.mark.parametrize("reason", ["dropout_in_training", "scores_requested"])
 def test_falls_back_where_not_eligible(reason):
     """Dropout takes the lean chunked kernel (the fused ones would need their own
