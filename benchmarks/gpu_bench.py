@@ -190,9 +190,9 @@ def _forward(backend, model):
     return tf.function(lambda x: model(x, training=False), jit_compile=True)
 
 
-def _time_layer(backend, layer, x, y, sizes, flops, profile=False):
+def _time_layer(backend, layer, x, y, sizes, flops):
     """Forward and training-step times and rates of `layer` in a one-layer model;
-    with `profile` (torch), also how much of each call's time the GPU was busy."""
+    returns them and the two steps (for `gpu_busy`)."""
     model = _model(layer, sizes["length"], sizes["dim"])
     forward = _forward(backend, model)
     steps = {
@@ -208,10 +208,8 @@ def _time_layer(backend, layer, x, y, sizes, flops, profile=False):
         "forward_tflops": flops / seconds["forward"] / 1e12,
         "train_tflops": 3 * flops / seconds["train_step"] / 1e12,
     }
-    if profile and backend == "torch" and _on_gpu(backend):
-        row["profile"] = {step: gpu_busy(fn) for step, fn in steps.items()}
     _progress(layer.__class__.__module__, row)
-    return row
+    return row, steps
 
 
 def gpu_busy(fn, calls=5, top=8):
@@ -446,12 +444,10 @@ def run(dry_run, long=True, full=True, lengths=None, variants=(), profile=False)
         ),
         "keras.layers.MultiHeadAttention": lambda: keras.layers.MultiHeadAttention(heads, key_dim),
     }
-    results = {}
+    results, steps = {}, {}
     if full:
-        results = {
-            label: _time_layer(backend, make(), x, y, sizes, flops, profile)
-            for label, make in layers.items()
-        }
+        for label, make in layers.items():
+            results[label], steps[label] = _time_layer(backend, make(), x, y, sizes, flops)
         builtin = results["keras.layers.MultiHeadAttention"]
         for row in results.values():
             row["forward_vs_builtin"] = row["forward_ms"] / builtin["forward_ms"]
@@ -460,6 +456,11 @@ def run(dry_run, long=True, full=True, lengths=None, variants=(), profile=False)
     long_results = None
     if long:
         long_results = run_long(backend, dry_run, rate, lengths, variants)
+    # Profiled last: calls timed after a torch profiler session may run slower
+    # (benchmarks/results/gpu.md, run 5).
+    if profile and backend == "torch" and _on_gpu(backend):
+        for label, row in results.items():
+            row["profile"] = {step: gpu_busy(fn) for step, fn in steps[label].items()}
     return {
         "backend": backend,
         "dry_run": dry_run,
