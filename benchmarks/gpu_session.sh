@@ -15,14 +15,14 @@
 # then the tests, all at once (the timings are done): tests-BACKEND.xml (`pytest -m gpu
 # tests/test_gpu.py`) and fast-BACKEND.log (the fast test modules on the GPU).
 # session.log holds the machine, every part's exit status and its seconds.
-# BACKENDS (torch jax): the tests; BENCH_BACKENDS ($BACKENDS): the benchmarks, with
+# BACKENDS (torch jax; empty: no tests): the tests; BENCH_BACKENDS ($BACKENDS): the benchmarks, with
 # BENCH_ARGS_torch / BENCH_ARGS_jax (gpu_bench.py run's arguments) and BENCH_TIMEOUT_torch
 # / _jax (seconds); PROBE=0 skips the probe; DEADLINE: seconds after which the tests are
 # stopped (545); PY: the python (python3); NO_WHEELS: skip the install.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 DEADLINE=${DEADLINE:-545}
-BACKENDS=${BACKENDS:-torch jax}
+BACKENDS=${BACKENDS-torch jax}
 BENCH_BACKENDS=${BENCH_BACKENDS-$BACKENDS}
 BENCH_ARGS_torch=${BENCH_ARGS_torch:---profile}
 BENCH_ARGS_jax=${BENCH_ARGS_jax:---lengths 8192 32768 --variant fold_key_padding=()}
