@@ -17,7 +17,8 @@
 # session.log holds the machine, every part's exit status and its seconds.
 # BACKENDS (torch jax; empty: no tests): the tests; BENCH_BACKENDS ($BACKENDS): the benchmarks, with
 # BENCH_ARGS_torch / BENCH_ARGS_jax (gpu_bench.py run's arguments) and BENCH_TIMEOUT_torch
-# / _jax (seconds); PROBE=0 skips the probe; DEADLINE: seconds after which the tests are
+# / _jax (seconds); PACKED=1 adds benchmarks/packed.py (PACKED_TIMEOUT, 240 s) into
+# $OUT/packed; PROBE=0 skips the probe; DEADLINE: seconds after which the tests are
 # stopped (545); PY: the python (python3); NO_WHEELS: skip the install.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
@@ -89,6 +90,14 @@ for b in $BENCH_BACKENDS; do
     "${extra[@]}" --out "$OUT/bench-$b.json" >/dev/null 2>>"$LOG"
   done_part "bench $b" $?
 done
+
+# Packed sequences (issue 31) on the GPU, PACKED=1: benchmarks/packed.py on each
+# benchmarked backend into $OUT/packed (packed.md: tokens/s, the device's peak memory).
+if [ "${PACKED:-0}" = 1 ]; then
+  timeout -s INT -k 10 "${PACKED_TIMEOUT:-240}" $PY benchmarks/packed.py \
+    --backends $BENCH_BACKENDS --out "$OUT/packed" >"$OUT/packed.log" 2>&1
+  done_part packed $?
+fi
 
 # The tests, all at once. Float64 references in the fast modules: JAX's matmuls in full
 # float32 there (its GPU default is TF32), as torch's.

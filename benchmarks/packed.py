@@ -30,6 +30,7 @@ give it too, in brackets: a fresh process can run fast or slow as a whole).
     .venv/bin/python benchmarks/packed.py                  # every backend, writes results
     .venv/bin/python benchmarks/packed.py --dry-run        # toy sizes, checks it runs
     .venv/bin/python benchmarks/packed.py --backends jax
+    python benchmarks/packed.py --backends torch jax --out /tmp/gpu   # a GPU session's
 """
 
 import argparse
@@ -319,9 +320,10 @@ def report(records):
     return "\n".join(lines) + "\n"
 
 
-def _kept_records(rerun):
-    """The last results' records of the backends not measured again, with their date."""
-    path = os.path.join(RESULTS, "packed.json")
+def _kept_records(rerun, folder=RESULTS):
+    """The last results' records (in `folder`) of the backends not measured again, with
+    their date."""
+    path = os.path.join(folder, "packed.json")
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -341,6 +343,9 @@ def main(argv=None):
     parser.add_argument(
         "--passes", type=int, default=PASSES, help="timed passes per way; the median counts"
     )
+    parser.add_argument(
+        "--out", default=RESULTS, help="folder of packed.json and packed.md (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     if args.child:
         sizes = json.loads(args.sizes)
@@ -357,7 +362,7 @@ def main(argv=None):
     for record in records:
         record["date"] = now
     if not args.dry_run:
-        records = _kept_records(args.backends) + records
+        records = _kept_records(args.backends, args.out) + records
     table = report(records)
     print(table)
     failed = [r for r in records if "error" in r]
@@ -370,9 +375,10 @@ def main(argv=None):
             "sizes": sizes,
             "passes": passes,
         }
-        with open(os.path.join(RESULTS, "packed.json"), "w") as f:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "packed.json"), "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1)
-        with open(os.path.join(RESULTS, "packed.md"), "w") as f:
+        with open(os.path.join(args.out, "packed.md"), "w") as f:
             dates = ", ".join(sorted({f"{r['backend']} {r['date']}" for r in records}))
             f.write(f"Packed sequences (measured {dates}), {meta['machine']}\n\n{table}")
     return 1 if failed else 0
