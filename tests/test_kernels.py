@@ -193,6 +193,22 @@ def test_chunked_logit_features_match_explicit(rng, kernel, masking):
 
 
 @pytest.mark.parametrize("kernel", CHUNKED)
+@pytest.mark.parametrize(
+    "masking",
+    ["none", "keys", "offset", "no-keys", "causal+padding", "segments+causal+window+padding"],
+)
+def test_one_query_matches_explicit_forward_and_backward(rng, kernel, masking):
+    """A decode step's single query: the chunked kernel takes its logits from the keys
+    in rows (`keys @ query^T`), not from the keys-last layout of longer calls."""
+    q, k, v = _inputs(rng, 1, T + 2)
+    bias = rng.standard_normal((B, N, 1, T + 2)).astype("float32")
+    sinks = rng.standard_normal((N,)).astype("float32")
+    mask = MASKS[masking](1, T + 2)
+    _assert_same(kernel, mask, (q, k, v))
+    _assert_same(kernel, mask, (q, k, v, bias, sinks), ("bias", "sinks"), soft_cap=2.0)
+
+
+@pytest.mark.parametrize("kernel", CHUNKED)
 @pytest.mark.parametrize("shape", [(B, 1, 1, T), (1, 1, T, 1), (B, N, T, T)])
 def test_bias_gradient_of_every_broadcast_shape(rng, kernel, shape):
     q, k, v = _inputs(rng)

@@ -290,6 +290,13 @@ class _Inputs:
                 ops.transpose(value, (0, 2, 1, 3)),  # (B, N, S, Hv)
             )
         self.q, self.key_t, self.v = heads
+        # One query (a decode step): its logits are taken as `keys @ query^T` from the
+        # keys in rows, `(B, N, S, H)`, a transpose that moves whole rows; the graph
+        # compilers then drop the keys-last `key_t` (a transpose that moves single
+        # floats) unless a backward pass needs it.
+        self.key_rows = None
+        if _static(query.shape[1]) == 1:
+            self.key_rows = ops.transpose(key, (0, 2, 1, 3))
         self.sink = None if sinks is None else logits_lib.sink_logits(sinks, 4, 1)
         self.query_length = ops.shape(self.q)[2]
 
@@ -325,8 +332,13 @@ class _Block:
     def logits(self):
         """Float32 logits `(B, N, q, k)`, the block's mask, and `tanh(x / cap)`."""
         inputs, options = self.inputs, self.inputs.options
-        keys = ops.shape(inputs.key_t)[3] if self.keys is None else self.keys
-        x = logits_lib.logits(self.query, masks.slice_along(inputs.key_t, 3, self.lo, self.keys))
+        keys = ops.shape(inputs.key)[1] if self.keys is None else self.keys
+        if inputs.key_rows is None:
+            key_t = masks.slice_along(inputs.key_t, 3, self.lo, self.keys)
+            x = logits_lib.logits(self.query, key_t)
+        else:
+            key_rows = masks.slice_along(inputs.key_rows, 2, self.lo, self.keys)
+            x = ops.swapaxes(logits_lib.logits(key_rows, ops.swapaxes(self.query, 2, 3)), 2, 3)
         squashed = None
         if options.soft_cap is not None:
             x, squashed = logits_lib.soft_cap(x, options.soft_cap)
