@@ -282,23 +282,31 @@ class _Inputs:
     def __init__(self, options, query, key, value, bias, sinks, heads=None):
         self.options = options
         self.query, self.key, self.value, self.bias, self.sinks = query, key, value, bias, sinks
+        # One query (a decode step): its logits are taken as `keys @ query^T` from the
+        # keys in rows, `(B, N, S, H)`, a transpose that moves whole rows; the keys-last
+        # `key_t` (a transpose that moves single floats) is then made only by a backward
+        # pass (`after`).
+        self.key_rows = None
+        if _static(query.shape[1]) == 1:
+            self.key_rows = ops.transpose(key, (0, 2, 1, 3))
         if heads is None:
             scaled = ops.multiply(query, ops.cast(options.scale, query.dtype))
             heads = (
                 ops.transpose(scaled, (0, 2, 1, 3)),  # (B, N, T, H), scaled
-                ops.transpose(key, (0, 2, 3, 1)),  # (B, N, H, S)
+                None if self.key_rows is not None else self._keys_last(),
                 ops.transpose(value, (0, 2, 1, 3)),  # (B, N, S, Hv)
             )
-        self.q, self.key_t, self.v = heads
-        # One query (a decode step): its logits are taken as `keys @ query^T` from the
-        # keys in rows, `(B, N, S, H)`, a transpose that moves whole rows; the graph
-        # compilers then drop the keys-last `key_t` (a transpose that moves single
-        # floats) unless a backward pass needs it.
-        self.key_rows = None
-        if _static(query.shape[1]) == 1:
-            self.key_rows = ops.transpose(key, (0, 2, 1, 3))
+        self.q, self._key_t, self.v = heads
         self.sink = None if sinks is None else logits_lib.sink_logits(sinks, 4, 1)
         self.query_length = ops.shape(self.q)[2]
+
+    @property
+    def key_t(self):
+        """The keys keys-last, `(B, N, H, S)`."""
+        return self._keys_last() if self._key_t is None else self._key_t
+
+    def _keys_last(self):
+        return ops.transpose(self.key, (0, 2, 3, 1))
 
     def after(self, upstream):
         """These inputs as new values that exist only once `upstream` does: the
