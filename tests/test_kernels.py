@@ -593,6 +593,25 @@ def test_static_loop_by_key_blocks_matches_explicit(rng, t, s, key_block):
     )
 
 
+@pytest.mark.parametrize("t, s, key_block", [(13, 16, 4), (9, 8, 8)])
+def test_static_loop_without_a_mask_runs_whole_blocks(rng, t, s, key_block):
+    """With no mask and `S` a multiple of the block, no block moves and none is
+    masked (`_Plan.key_block_of`); outputs and gradients are still the explicit
+    kernel's, with every logit feature and dropout."""
+    q, k, v = _inputs(rng, t, s)
+    plan = chunked._Plan.make(q, k, None, 4, None, True, False, key_block=key_block)
+    inputs = chunked._Inputs(chunked._Options(1.0, None, None, 0.0, None), q, k, v, None, None)
+    lo = ops.zeros((), "int32")
+    assert [plan.key_block_of(inputs, 0, 4, lo, j).since for j in range(2)] == [None, None]
+    bias = rng.standard_normal((B, 1, t, s)).astype("float32")
+    sinks = rng.standard_normal((N,)).astype("float32")
+    seed = ops.convert_to_tensor(np.array([5, 9]), "int32")
+    arrays = (q, k, v, bias, sinks)
+    options = dict(soft_cap=2.0, dropout=0.3, seed=seed, key_block=key_block)
+    _assert_same("looped", None, arrays, ("bias", "sinks"), **options)
+    _assert_same("looped", None, (q, k, v), key_block=key_block)
+
+
 def test_static_loop_schedules_only_the_blocks_a_chunk_sees(rng):
     """Each chunk's key blocks (`_Plan.key_blocks`, computed at run time) start at
     the first key one of its queries sees, cover the last, and are no more than

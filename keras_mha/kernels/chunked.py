@@ -246,6 +246,8 @@ class _Plan:
         (no padding); its keys before `lo + j * key_block`, another block's, are
         masked off."""
         first = lo + j * self.key_block
+        if self.mask is None and self.key_length % self.key_block == 0:
+            return _Block(inputs, start, size, first, self.key_block)  # no block moves
         key_start = ops.minimum(first, self.key_length - self.key_block)
         return _Block(inputs, start, size, key_start, self.key_block, since=first)
 
@@ -412,10 +414,13 @@ def _forward_blocks(plan, inputs, start, size):
     def step(j, state):
         peak, total, acc = state
         block = plan.key_block_of(inputs, start, size, lo, j)
-        x, mask, _ = block.logits()  # a key block always has a mask (`since`)
-        x = ops.where(mask, x, logits_lib.MASKED)
+        x, mask, _ = block.logits()
+        if mask is not None:
+            x = ops.where(mask, x, logits_lib.MASKED)
         new_peak = ops.maximum(peak, ops.amax(x, axis=-1, keepdims=True))
-        weights = ops.where(mask, ops.exp(x - new_peak), 0.0)  # masked: exactly 0
+        weights = ops.exp(x - new_peak)
+        if mask is not None:
+            weights = ops.where(mask, weights, 0.0)  # masked: exactly 0
         rescale = ops.exp(peak - new_peak)
         total = total * rescale + ops.sum(weights, axis=-1, keepdims=True)
         weights = ops.cast(block.dropped(weights), inputs.v.dtype)

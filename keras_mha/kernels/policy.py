@@ -126,7 +126,9 @@ POLICIES = {
         dynamic=True,
     ),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
-    ("jax", "cpu"): Policy("chunked", chunk_size=256, loop=True, sizes_from_data=False),
+    ("jax", "cpu"): Policy(
+        "chunked", chunk_size=512, key_block=256, loop=True, sizes_from_data=False
+    ),
     ("jax", "gpu"): Policy(
         "fused",
         chunk_size=2048,
