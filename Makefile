@@ -55,7 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/floor.py
 	$(BIN)/python benchmarks/packed.py
-	$(BIN)/python benchmarks/block_shapes.py > benchmarks/results/block_shapes.md
+	$(BIN)/python benchmarks/block_shapes.py
 
 # GPU tests + GPU benchmark per installed backend, against the existing .venv (no
 # install, no network), then a markdown report in $(GPU_OUT). On a machine without a

@@ -5,20 +5,28 @@ Each chunk of `q` queries of the compiled loop multiplies, per key block of `k` 
 `(heads, q, key_dim) x (heads, key_dim, k)` for its logits and `(heads, q, k) x
 (heads, k, key_dim)` for its output. Both run here alone, in a `fori_loop` over the
 blocks of an `S`-key tensor (the kernel's loop without its softmax), and are reported in
-GFLOP/s beside the float32 2048^3 GEMM rate of the same process. Shapes with the same
+GFLOP/s beside the backend's float32 GEMM rate measured in the same process, as
+`floor.py` measures it (`run.py`'s `_matmul_flops_per_second`). Shapes with the same
 logits per block (`q * k`) differ by up to 2x, and some fall off a cliff: the policy's
 shape is re-measured here whenever jaxlib changes.
 
+Writes `benchmarks/results/block_shapes.md` (`--out`):
+
     .venv/bin/python benchmarks/block_shapes.py
-    .venv/bin/python benchmarks/block_shapes.py --heads 8 --key-dim 128
-    .venv/bin/python benchmarks/block_shapes.py --dry-run     # tiny sizes: checks the code
+    .venv/bin/python benchmarks/block_shapes.py --heads 8 --key-dim 128 --out /tmp/shapes
+    .venv/bin/python benchmarks/block_shapes.py --dry-run     # tiny sizes, writes nothing
 """
 
 import argparse
 import datetime
 import os
 import platform
+import sys
 import time
+
+os.environ["KERAS_BACKEND"] = "jax"  # the policy row measured here is JAX's
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run as bench  # noqa: E402  (benchmarks/run.py: the GEMM rate)
 
 SHAPES = ((256, 512), (512, 256), (256, 256), (512, 128), (512, 512), (1024, 256))
 
@@ -31,15 +39,6 @@ def _best_seconds(function, *args, repeats=5):
         function(*args).block_until_ready()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def gemm_rate(size=2048):
-    """Float32 `size^3` matmul FLOP/s."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((size, size), jnp.float32)
-    return 2 * size**3 / _best_seconds(jax.jit(jnp.matmul), a, a)
 
 
 def block_rates(queries, keys, heads, key_dim, length, sweeps):
@@ -85,23 +84,35 @@ def main(argv=None):
     parser.add_argument("--key-dim", type=int, default=64)
     parser.add_argument("--length", type=int, default=8192, help="keys the blocks sweep")
     parser.add_argument("--sweeps", type=int, default=8, help="passes over the keys per call")
-    parser.add_argument("--dry-run", action="store_true", help="tiny sizes: checks the code")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes, writes nothing")
+    parser.add_argument("--out", default=bench.RESULTS, help="folder of block_shapes.md")
     args = parser.parse_args(argv)
     import jax
 
-    shapes, length, sweeps, gemm = SHAPES, args.length, args.sweeps, 2048
+    shapes, length, sweeps = SHAPES, args.length, args.sweeps
     if args.dry_run:
-        shapes, length, sweeps, gemm = ((8, 16), (16, 8)), 64, 1, 64
+        shapes, length, sweeps = ((8, 16), (16, 8)), 64, 1
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"Measured {now} by `benchmarks/block_shapes.py` on {platform.platform()},")
-    print(f"{os.cpu_count()} CPU cores, jax {jax.__version__} ({jax.devices()[0].device_kind}).\n")
-    print(f"Float32 {gemm}^3 GEMM: {gemm_rate(gemm) / 1e9:.0f} GFLOP/s. Heads {args.heads},")
-    print(f"key_dim {args.key_dim}, {length} keys, {sweeps} sweeps; best of 5 calls.\n")
-    print("| queries x keys per block | logits GFLOP/s | output GFLOP/s |")
-    print("|---|---:|---:|")
+    lines = [
+        f"Measured {now} by `benchmarks/block_shapes.py` on {platform.platform()},",
+        f"{os.cpu_count()} CPU cores, jax {jax.__version__} ({jax.devices()[0].device_kind}).",
+        "",
+        f"Float32 {bench.MATMUL_SIZE}^3 GEMM: {bench._matmul_flops_per_second() / 1e9:.0f} "
+        f"GFLOP/s. Heads {args.heads}, key_dim {args.key_dim}, {length} keys, {sweeps} sweeps;",
+        "best of 5 calls per product.",
+        "",
+        "| queries x keys per block | logits GFLOP/s | output GFLOP/s |",
+        "|---|---:|---:|",
+    ]
     for queries, keys in shapes:
         rates = block_rates(queries, keys, args.heads, args.key_dim, length, sweeps)
-        print(f"| {queries} x {keys} | {rates[0] / 1e9:.0f} | {rates[1] / 1e9:.0f} |")
+        lines.append(f"| {queries} x {keys} | {rates[0] / 1e9:.0f} | {rates[1] / 1e9:.0f} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if not args.dry_run:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "block_shapes.md"), "w") as f:
+            f.write(report)
     return 0
 
 
