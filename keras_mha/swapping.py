@@ -37,6 +37,7 @@ import zipfile
 
 import keras
 
+from keras_mha import hub
 from keras_mha import layer as layer_lib
 
 BUILTIN = keras.layers.MultiHeadAttention
@@ -59,6 +60,7 @@ PROTECTED_OVERRIDES = frozenset(
 
 SWAPPED = "swapped"
 REBUILT = "rebuilt on keras_mha"
+MOVED = "moved from keras-hub's own class"
 ALREADY = "already keras_mha"
 LEFT = "left on the built-in"
 
@@ -93,6 +95,7 @@ def swapped():
         if _depth == 0:
             _saved_new = BUILTIN.__dict__.get("__new__")
             BUILTIN.__new__ = staticmethod(_new)
+            hub.patch()
         _depth += 1
     try:
         yield
@@ -100,6 +103,7 @@ def swapped():
         with _lock:
             _depth -= 1
             if _depth == 0:
+                hub.unpatch()
                 if _saved_new is None:
                     del BUILTIN.__new__
                 else:
@@ -150,19 +154,62 @@ def swap(model):
             "Received an invalid value for argument `model`, expected a `keras.Model`. "
             f"Received: model={type(model).__name__}"
         )
-    with tempfile.TemporaryDirectory(prefix="keras-mha-swap-") as tmp:
-        path = os.path.join(tmp, "model.keras")
-        model.save(path)
-        result = load_swapped(path, safe_mode=False)  # our own copy of the user's object
+    if any(hub.is_hub_attention(layer) for _, layer in attention_layers(model)):
+        result = _swap_in_memory(model)
+    else:
+        with tempfile.TemporaryDirectory(prefix="keras-mha-swap-") as tmp:
+            path = os.path.join(tmp, "model.keras")
+            model.save(path)
+            result = load_swapped(path, safe_mode=False)  # our own copy of the user's object
     _keep_trainable(model, result)
     rows = swap_report(model, result)
-    if not any(row["status"] in (SWAPPED, REBUILT) for row in rows):
+    if not any(row["status"] in (SWAPPED, REBUILT, MOVED) for row in rows):
         raise ValueError(
             "Received an invalid value for argument `model`, expected a model holding "
             f"a keras.layers.MultiHeadAttention to swap. Received: model={model.name} "
             f"({describe(rows)})"
         )
     return result
+
+
+def _swap_in_memory(model):
+    """The swap of a model holding keras-hub attention classes of their own: the
+    model rebuilt from its config under `swapped()`, then its weights copied layer by
+    layer, each keras-hub attention layer's through its table entry (`hub.table`):
+    their variables differ from ours, so Keras's `.keras` loader cannot match them."""
+    config = keras.saving.serialize_keras_object(model)
+    compile_config = config.pop("compile_config", None)
+    with swapped():
+        result = keras.saving.deserialize_keras_object(config)
+    _copy_weights(model, result, model.name)
+    # A keras-hub task compiles itself when constructed (its `compile` is its own).
+    if compile_config is not None and type(result).compile is keras.Model.compile:
+        result.compile_from_config(compile_config)
+    return result
+
+
+def _copy_weights(original, result, path):
+    """Assigns `original`'s weights to `result`, pairing their layers child by child."""
+    if isinstance(result, hub.HubAttention):
+        result.port(original)
+        return
+    if isinstance(original, BUILTIN) and isinstance(result, layer_lib.MultiHeadAttention):
+        result.set_weights(original.get_weights())
+        return
+    own = [v for v in original._trainable_variables + original._non_trainable_variables]
+    new = [v for v in result._trainable_variables + result._non_trainable_variables]
+    before = original._flatten_layers(include_self=False, recursive=False)
+    after = result._flatten_layers(include_self=False, recursive=False)
+    if len(own) != len(new) or len(before) != len(after):
+        raise ValueError(
+            f"The swapped model's layer {path} has {len(new)} weights and {len(after)} "
+            f"sublayers where the original has {len(own)} and {len(before)}: their "
+            "structures differ."
+        )
+    for source, target in zip(own, new):
+        target.assign(keras.ops.convert_to_numpy(source.value))  # a copy, not a shared buffer
+    for old, fresh in zip(before, after):
+        _copy_weights(old, fresh, f"{path}/{old.name}")
 
 
 def _keep_trainable(original, result):
@@ -175,7 +222,9 @@ def _keep_trainable(original, result):
     """
     if original.trainable != result.trainable:
         result.trainable = original.trainable
-    if isinstance(original, BUILTIN | layer_lib.MultiHeadAttention):
+    if isinstance(original, BUILTIN | layer_lib.MultiHeadAttention) or hub.is_hub_attention(
+        original
+    ):
         return
     before = original._flatten_layers(include_self=False, recursive=False)
     after = result._flatten_layers(include_self=False, recursive=False)
@@ -190,8 +239,18 @@ def _keep_trainable(original, result):
 
 def load_swapped(filepath, **kwargs):
     """`keras.saving.load_model(filepath, **kwargs)` under `swapped()`."""
+    with zipfile.ZipFile(filepath) as archive:
+        _import_keras_hub_for(archive.read("config.json").decode())
     with swapped():
         return keras.saving.load_model(filepath, **kwargs)
+
+
+def _import_keras_hub_for(config):
+    """Imports keras-hub before a config that names it is deserialised under
+    `swapped()`, which patches its attention classes only once they are imported."""
+    text = config if isinstance(config, str) else json.dumps(config, default=str)
+    if "keras_hub" in text:
+        import keras_hub  # noqa: F401
 
 
 # ------------------------------------------------------------------ saving a swap
@@ -206,6 +265,7 @@ class SwapOnLoad:
 
     @classmethod
     def from_config(cls, config):
+        _import_keras_hub_for(config)
         with swapped():
             return keras.saving.deserialize_keras_object(config["model"])
 
@@ -430,7 +490,9 @@ def attention_layers(model):
     def visit(layer, path):
         for name, child in _children(layer):
             child_path = f"{path}/{name}" if path else name
-            if isinstance(child, BUILTIN | layer_lib.MultiHeadAttention):
+            if isinstance(
+                child, BUILTIN | layer_lib.MultiHeadAttention | hub.HubAttention
+            ) or hub.is_hub_attention(child):
                 found.append((child_path, child))
             else:
                 visit(child, child_path)
@@ -469,8 +531,10 @@ def swap_report(original, result):
     rows = []
     for (path, old), (_, new) in zip(before, after):
         reason = None
-        if isinstance(old, layer_lib.MultiHeadAttention):
+        if isinstance(old, layer_lib.MultiHeadAttention | hub.HubAttention):
             status = ALREADY
+        elif isinstance(new, hub.HubAttention):
+            status = MOVED
         elif isinstance(new, layer_lib.MultiHeadAttention):
             status = SWAPPED if type(old) is BUILTIN else REBUILT
         else:
@@ -482,7 +546,7 @@ def swap_report(original, result):
                 "before": _class_name(old),
                 "after": _class_name(new) + (" on keras_mha" if status == REBUILT else ""),
                 "status": status,
-                "config": config_summary(old),
+                "config": config_summary(new if isinstance(new, hub.HubAttention) else old),
                 "reason": reason,
             }
         )
@@ -512,6 +576,8 @@ _SUMMARY_DEFAULTS = {
 
 def config_summary(layer):
     """`num_heads=8, key_dim=64` and the arguments that differ from the defaults."""
+    if isinstance(layer, hub.HubAttention):
+        layer = layer.attention
     config = layer.get_config()
     parts = [f"num_heads={config['num_heads']}", f"key_dim={config['key_dim']}"]
     for key, default in _SUMMARY_DEFAULTS.items():
@@ -532,4 +598,6 @@ def _class_name(layer):
         return "keras.layers.MultiHeadAttention"
     if cls is layer_lib.MultiHeadAttention:
         return "keras_mha.MultiHeadAttention"
+    if cls is hub.HubAttention:
+        return f"keras_mha.MultiHeadAttention ({layer.hub_class.rpartition('.')[2]})"
     return re.sub(r"^__main__\.", "", f"{module}.{cls.__qualname__}")

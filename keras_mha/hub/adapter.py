@@ -1,0 +1,154 @@
+"""`HubAttention`: one of keras-hub's own attention layers, run by our layer.
+
+keras-hub's language models (Llama, Mistral, Gemma, Qwen, ...) hold attention classes of
+their own, constructed by their decoder blocks with their own arguments and called with
+their own protocol (`hidden_states, attention_mask, cache, cache_update_index`). While
+`keras_mha.swapped()` is active, constructing one of the classes named in
+`keras_mha.hub.table.ADAPTERS` constructs a `HubAttention` in its place: a layer holding
+a `keras_mha.MultiHeadAttention` (`attention`), configured and called as the table's entry
+for that class says. Its weights come from the keras-hub layer it replaces through the
+entry's `weights` (`port`), one named variable at a time.
+"""
+
+import dataclasses
+import functools
+import inspect
+
+import keras
+
+from keras_mha import layer as layer_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """How one keras-hub attention class runs on `keras_mha.MultiHeadAttention`.
+
+    Attributes:
+        options: `(config, dim) -> dict`: our layer's constructor arguments from the
+            keras-hub constructor's arguments (`config`, by name, defaults filled in)
+            and the width of the hidden states (`dim`, known when the layer builds).
+        call: `(attention, *args, **kwargs) -> outputs`: runs our layer (`attention`)
+            with the keras-hub class's call arguments; returns what that class returns.
+        weights: `(hub_layer) -> {our sublayer: values}`: the keras-hub layer's
+            variables for each of our sublayers (`"query_dense"`, ...), each a list
+            of arrays in our sublayer's variable order.
+        notes: Where keras-hub's class and ours differ, one line each (the guide's
+            table, `swap`'s report).
+    """
+
+    options: callable
+    call: callable
+    weights: callable
+    notes: tuple = ()
+
+
+@keras.saving.register_keras_serializable(package="keras_mha")
+class HubAttention(keras.layers.Layer):
+    """A keras-hub attention layer's place in its model, run by our layer.
+
+    Args:
+        hub_class: The keras-hub class it stands for, `"module.ClassName"` (a key of
+            `keras_mha.hub.table.ADAPTERS`).
+        config: The arguments that class was constructed with, by name.
+        **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        Those of the keras-hub class (the table's entry maps them).
+
+    Returns:
+        What the keras-hub class returns (an output, or `(output, cache)`).
+    """
+
+    def __init__(self, hub_class, config, **kwargs):
+        from keras_mha.hub import table  # the table imports this module
+
+        super().__init__(**kwargs)
+        if hub_class not in table.ADAPTERS:
+            raise ValueError(
+                "Received an invalid value for argument `hub_class`, expected one of the "
+                f"keras-hub attention classes keras_mha moves ({', '.join(table.ADAPTERS)}). "
+                f"Received: hub_class={hub_class}"
+            )
+        self.hub_class = hub_class
+        self.entry = table.ADAPTERS[hub_class]
+        self.config = dict(config)
+        self.supports_masking = True
+
+    def build(self, input_shape, *args, **kwargs):
+        options = self.entry.options(self.config, input_shape[-1])
+        self.attention = layer_lib.MultiHeadAttention(
+            **options, dtype=self.dtype_policy, name="attention"
+        )
+        self.attention.build(input_shape, input_shape)
+
+    def call(self, *args, **kwargs):
+        return self.entry.call(self.attention, *args, **kwargs)
+
+    def port(self, hub_layer):
+        """Sets our layer's weights from `hub_layer` (the keras-hub layer replaced)."""
+        for sublayer, values in self.entry.weights(hub_layer).items():
+            target = getattr(self.attention, sublayer)
+            variables = target.weights
+            if len(variables) != len(values):
+                raise ValueError(
+                    f"{self.hub_class} -> keras_mha: {sublayer} has {len(variables)} "
+                    f"weights, the keras-hub layer gives {len(values)}."
+                )
+            for variable, value in zip(variables, values):
+                value = keras.ops.convert_to_numpy(value)
+                if tuple(variable.shape) != tuple(value.shape):
+                    raise ValueError(
+                        f"{self.hub_class} -> keras_mha: {variable.path} has shape "
+                        f"{tuple(variable.shape)}, the keras-hub layer gives "
+                        f"{tuple(value.shape)}."
+                    )
+                variable.assign(value)
+
+    def get_config(self):
+        config = {
+            key: keras.saving.serialize_keras_object(value)
+            if isinstance(value, keras.initializers.Initializer)
+            else value
+            for key, value in self.config.items()
+        }
+        return {**super().get_config(), "hub_class": self.hub_class, "config": config}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        hub = {
+            key: keras.saving.deserialize_keras_object(value)
+            if isinstance(value, dict) and "class_name" in value
+            else value
+            for key, value in config.pop("config").items()
+        }
+        return cls(config=hub, **config)
+
+
+@functools.cache
+def adapter_class(hub_cls):
+    """`HubAttention` with `hub_cls.call`'s signature: Keras binds a layer's call
+    arguments by its `call` signature (tensors and flags apart, `training` filled in),
+    so each keras-hub class gets its own."""
+
+    def call(self, *args, **kwargs):
+        return self.entry.call(self.attention, *args, **kwargs)
+
+    call.__signature__ = inspect.signature(hub_cls.call)
+    return type(f"HubAttention[{hub_cls.__name__}]", (HubAttention,), {"call": call})
+
+
+def constructor_arguments(cls, args, kwargs):
+    """`(config, layer_kwargs)`: the arguments of keras-hub class `cls`'s constructor
+    by name, defaults filled in, and the base `Layer` arguments (`name`, `dtype`, ...)
+    it passed on through `**kwargs`."""
+    signature = inspect.signature(cls.__init__)
+    bound = signature.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    config = dict(bound.arguments)
+    config.pop(next(iter(signature.parameters)))  # self
+    layer_kwargs = {}
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            layer_kwargs = config.pop(name)
+    return config, layer_kwargs

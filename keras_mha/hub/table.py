@@ -1,0 +1,20 @@
+"""The keras-hub attention classes keras_mha moves: one small entry each.
+
+Each family's module (`keras_mha/hub/<family>.py`, as keras-hub's own checkpoint
+converters are laid out) holds `ADAPTERS`, `{"module.ClassName": adapter.Entry}`: the
+class's constructor arguments mapped to our layer's, its call to ours, its weights to
+ours. None knows the others, and none imports keras-hub at import time (keys are
+strings). `OUT_OF_SCOPE` names the attention classes of keras-hub's language-model
+packages that are not moved, each with the reason (tests/test_hub.py's guard).
+"""
+
+import importlib
+
+FAMILIES = ("llama",)
+
+ADAPTERS = {}
+OUT_OF_SCOPE = {}
+for _family in FAMILIES:
+    _module = importlib.import_module(f"keras_mha.hub.{_family}")
+    ADAPTERS.update(_module.ADAPTERS)
+    OUT_OF_SCOPE.update(getattr(_module, "OUT_OF_SCOPE", {}))
