@@ -182,6 +182,7 @@ def _swap_in_memory(model):
     with swapped():
         result = keras.saving.deserialize_keras_object(config)
     _copy_weights(model, result, model.name)
+    hub.describe_masks(result)
     # A keras-hub task compiles itself when constructed (its `compile` is its own).
     if compile_config is not None and type(result).compile is keras.Model.compile:
         result.compile_from_config(compile_config)
@@ -267,7 +268,9 @@ class SwapOnLoad:
     def from_config(cls, config):
         _import_keras_hub_for(config)
         with swapped():
-            return keras.saving.deserialize_keras_object(config["model"])
+            model = keras.saving.deserialize_keras_object(config["model"])
+        hub.describe_masks(model)
+        return model
 
 
 def save_swapped(model, filepath):

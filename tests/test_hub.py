@@ -244,3 +244,31 @@ def test_every_keras_hub_attention_class_is_moved_or_out_of_scope():
     assert not missing, f"keras-hub attention classes neither moved nor out of scope: {missing}"
     assert accounted <= found  # no stale entry
     assert all(reason for reason in hub.OUT_OF_SCOPE.values())
+
+
+def test_decoder_blocks_pass_their_masks_described(pair):
+    """In a swapped model, a decoder block whose entry describes its mask hands our
+    layer the padding mask and causality, not keras-hub's dense `(B, T, S)` mask."""
+    _, _, swapped = pair
+    blocks = [
+        layer
+        for layer in swapped._flatten_layers()
+        if any(
+            isinstance(child, hub.HubAttention) and child.entry.decoder_mask is not None
+            for child in layer._flatten_layers(include_self=False, recursive=False)
+        )
+    ]
+    if not blocks:
+        pytest.skip("this model's entry passes keras-hub's dense mask")
+    inputs = _inputs()
+    sequence = keras.ops.ones((BATCH, LENGTH, 16))
+    for block in blocks:
+        mask = block._compute_self_attention_mask(
+            decoder_sequence=sequence,
+            decoder_padding_mask=inputs["padding_mask"],
+            decoder_attention_mask=None,
+            self_attention_cache=None,
+            self_attention_cache_update_index=None,
+        )
+        assert isinstance(mask, hub.common.DecoderMask)
+        np.testing.assert_array_equal(to_numpy(mask.padding_mask), inputs["padding_mask"])

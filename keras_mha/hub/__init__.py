@@ -5,15 +5,28 @@
 - `adapter.HubAttention`: the layer that takes such a class's place in its model.
 - `patch()` / `unpatch()`: while patched (inside `keras_mha.swapped()`), constructing
   one of those classes constructs a `HubAttention` for it.
+- `describe_masks(model)`: the decoder blocks of a swapped model pass their masks to
+  our layer described, not dense (`swap` and `save_swapped` files do it).
 """
 
+import functools
 import importlib
 import sys
 
+from keras_mha.hub import common
 from keras_mha.hub.adapter import HubAttention, adapter_class, constructor_arguments
 from keras_mha.hub.table import ADAPTERS, OUT_OF_SCOPE
 
-__all__ = ["ADAPTERS", "OUT_OF_SCOPE", "HubAttention", "patch", "unpatch", "hub_classes"]
+__all__ = [
+    "ADAPTERS",
+    "common",
+    "OUT_OF_SCOPE",
+    "HubAttention",
+    "describe_masks",
+    "hub_classes",
+    "patch",
+    "unpatch",
+]
 
 _saved = {}  # class -> its own `__new__` (or None) while patched
 
@@ -64,3 +77,26 @@ def _constructor(hub_cls, key):
         return adapter_class(hub_cls)(key, config, **layer_kwargs)
 
     return new
+
+
+# The decoder method an entry's `decoder_mask` replaces.
+_DECODER_MASK_METHOD = "_compute_self_attention_mask"
+
+
+def describe_masks(model):
+    """Makes each decoder block of `model` that holds a `HubAttention` whose entry has
+    a `decoder_mask` pass its self-attention mask described (`common.DecoderMask`):
+    the block's own `_compute_self_attention_mask` is replaced on that instance only.
+    Returns the number of blocks changed."""
+    changed = 0
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if not hasattr(layer, _DECODER_MASK_METHOD):
+            continue
+        children = layer._flatten_layers(include_self=False, recursive=False)
+        entries = {c.entry for c in children if isinstance(c, HubAttention)}
+        describe = {e.decoder_mask for e in entries}
+        if len(describe) == 1 and None not in describe:
+            method = functools.partial(describe.pop(), layer)
+            object.__setattr__(layer, _DECODER_MASK_METHOD, method)
+            changed += 1
+    return changed

@@ -32,6 +32,10 @@ class Entry:
         weights: `(hub_layer) -> {our sublayer: values}`: the keras-hub layer's
             variables for each of our sublayers (`"query_dense"`, ...), each a list
             of arrays in our sublayer's variable order.
+        decoder_mask: `None`, or `(decoder, **arguments) -> mask`: replaces the
+            `_compute_self_attention_mask` of the decoder block holding the layer in a
+            swapped model (`keras_mha.hub.describe_masks`), so that the block passes
+            `call` its mask described (`common.DecoderMask`) instead of dense.
         notes: Where keras-hub's class and ours differ, one line each (the guide's
             table, `swap`'s report).
     """
@@ -39,6 +43,7 @@ class Entry:
     options: callable
     call: callable
     weights: callable
+    decoder_mask: callable = None
     notes: tuple = ()
 
 

@@ -1,5 +1,41 @@
 """What several entries of the table share: weights by sublayer, keras-hub's decoder
-call protocol, initializers cloned as keras-hub clones them."""
+call protocol and its masks described, initializers cloned as keras-hub clones them."""
+
+import dataclasses
+
+from keras_mha import masks as masks_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderMask:
+    """A keras-hub decoder's self-attention mask, described instead of merged.
+
+    keras-hub's decoder blocks merge the padding mask, a user's attention mask and the
+    causal mask (at the cache's offset) into one dense `(B, T, S)` tensor before their
+    attention (`_compute_self_attention_mask`). In a swapped model (`describe_masks`)
+    the block returns this instead, and our layer gets the parts: the keys' padding
+    `(B, S)`, the user's mask, and causality, which it places at `cache_update_index`
+    itself. The kernels then skip the blocks causality or padding hides.
+    """
+
+    padding_mask: object = None
+    attention_mask: object = None
+
+
+def causal_decoder_mask(
+    decoder,
+    decoder_sequence,
+    decoder_padding_mask=None,
+    decoder_attention_mask=None,
+    **unused,
+):
+    """`_compute_self_attention_mask` of keras-hub's causal decoder blocks (Llama's
+    and those written like it), described: the padding mask given, else the sequence's
+    Keras mask (as keras-hub's `merge_padding_and_attention_mask` takes it)."""
+    if decoder_padding_mask is None:
+        decoder_padding_mask = masks_lib.get_keras_mask(decoder_sequence)
+    return DecoderMask(decoder_padding_mask, decoder_attention_mask)
+
 
 PROJECTIONS = {
     "query_dense": "_query_dense",
@@ -35,12 +71,20 @@ def self_attention(
     """keras-hub's decoder attention protocol: self-attention over `hidden_states`
     with the decoder's dense `(B, T, S)` mask (padding and causality merged), an
     optional `(B, 2, max_length, Nkv, H)` cache and the index of the new positions
-    in it; returns the output, or `(output, cache)` when a cache is given."""
+    in it, or that mask described (`DecoderMask`, causal); returns the output, or
+    `(output, cache)` when a cache is given."""
+    masks = {"attention_mask": attention_mask}
+    if isinstance(attention_mask, DecoderMask):
+        masks = {
+            "key_mask": attention_mask.padding_mask,
+            "attention_mask": attention_mask.attention_mask,
+            "use_causal_mask": True,
+        }
     return attention(
         hidden_states,
         hidden_states,
-        attention_mask=attention_mask,
         cache=cache,
         cache_update_index=cache_update_index,
         training=training,
+        **masks,
     )

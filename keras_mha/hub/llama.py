@@ -21,6 +21,9 @@ def _options(config, dim):
 
 ADAPTERS = {
     "keras_hub.src.models.llama.llama_attention.LlamaAttention": Entry(
-        options=_options, call=common.self_attention, weights=common.weights
+        options=_options,
+        call=common.self_attention,
+        weights=common.weights,
+        decoder_mask=common.causal_decoder_mask,
     ),
 }

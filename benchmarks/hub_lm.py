@@ -1,0 +1,220 @@
+"""keras-hub language models, unswapped against swapped onto keras_mha (`keras_mha.swap`).
+
+A narrow Llama and a Gemma 3 (2 layers, hidden 256, 4 heads of 64, vocabulary 1000,
+random weights), each as keras-hub's `CausalLM` with `preprocessor=None`, two ways:
+`unswapped` (keras-hub's own attention classes) and `swapped` (`keras_mha.swap`, whose
+decoder blocks pass our layer their masks described).
+
+- Train step: `train_on_batch` with SGD, one row of T tokens (T = 2048, 8192, 16384), its
+  last quarter padded (padding mask and zero sample weights there). One step at T=64 sets
+  the memory baseline; then a warm-up step at T (compiles) and `--steps` timed steps, the
+  median counting. Memory: the growth of the process's peak RSS (`ru_maxrss`) over that
+  baseline.
+- Generate: `generate()` of 64 tokens (greedy) after a 4096-token prompt, once to
+  compile, then timed.
+
+Every (model, way, case) runs in a fresh process per backend, one at a time. A process that
+dies (out of memory) is reported as such, with its exit code.
+
+    .venv/bin/python benchmarks/hub_lm.py                      # writes results/hub_lm.*
+    .venv/bin/python benchmarks/hub_lm.py --dry-run            # toy sizes, checks it runs
+    .venv/bin/python benchmarks/hub_lm.py --backends jax --lengths 2048 --models llama
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+BACKENDS = ("tensorflow", "jax", "torch")
+MODELS = ("llama", "gemma3")
+WAYS = ("unswapped", "swapped")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+FULL = dict(layers=2, hidden=256, heads=4, vocab=1000, prompt=4096, new_tokens=64)
+TOY = dict(layers=1, hidden=32, heads=2, vocab=64, prompt=32, new_tokens=4)
+LENGTHS = (2048, 8192, 16384)
+TOY_LENGTHS = (64,)
+BASELINE = 64
+
+
+def build(model, sizes):
+    import keras_hub
+
+    models = keras_hub.models
+    common = dict(
+        vocabulary_size=sizes["vocab"],
+        num_layers=sizes["layers"],
+        hidden_dim=sizes["hidden"],
+        intermediate_dim=2 * sizes["hidden"],
+        num_key_value_heads=sizes["heads"],
+    )
+    if model == "llama":
+        backbone = models.LlamaBackbone(num_query_heads=sizes["heads"], **common)
+        return models.LlamaCausalLM(backbone, preprocessor=None)
+    backbone = models.Gemma3Backbone(
+        num_query_heads=sizes["heads"],
+        head_dim=sizes["hidden"] // sizes["heads"],
+        sliding_window_size=1024,
+        **common,
+    )
+    return models.Gemma3CausalLM(backbone, preprocessor=None)
+
+
+def _rows(length, vocab, padded_quarter=True):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    token_ids = rng.integers(1, vocab, (1, length)).astype("int32")
+    mask = np.ones((1, length), "int32")
+    if padded_quarter:
+        mask[:, length - length // 4 :] = 0
+    return {"token_ids": token_ids * mask, "padding_mask": mask}, token_ids, mask
+
+
+def _peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def worker(model_name, way, case, length, steps, sizes):
+    """Runs one measurement in this process; prints one JSON line."""
+    import warnings
+
+    import keras
+
+    import keras_mha
+
+    keras.utils.set_random_seed(0)
+    model = build(model_name, sizes)
+    if way == "swapped":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = keras_mha.swap(model)
+    if case == "generate":
+        inputs, _, _ = _rows(sizes["prompt"] + sizes["new_tokens"], sizes["vocab"], False)
+        inputs["padding_mask"][:, sizes["prompt"] :] = 0
+        inputs["token_ids"] *= inputs["padding_mask"]
+        model.compile(sampler="greedy")
+        model.generate(inputs, stop_token_ids=None)  # compiles
+        start = time.perf_counter()
+        out = model.generate(inputs, stop_token_ids=None)
+        seconds = time.perf_counter() - start
+        generated = int((keras.ops.convert_to_numpy(out["padding_mask"]) > 0).sum())
+        return {"seconds": seconds, "tokens": generated}
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=[],
+    )
+    small, labels, mask = _rows(BASELINE, sizes["vocab"])
+    model.train_on_batch(small, labels, sample_weight=mask)
+    baseline = _peak_mib()
+    inputs, labels, mask = _rows(length, sizes["vocab"])
+    times = []
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        loss = model.train_on_batch(inputs, labels, sample_weight=mask, return_dict=True)["loss"]
+        if i:  # the first step compiles
+            times.append(time.perf_counter() - start)
+    return {
+        "seconds": statistics.median(times),
+        "times": times,
+        "peak_growth_mib": _peak_mib() - baseline,
+        "loss": float(loss),
+    }
+
+
+def _run(backend, model, way, case, length, steps, dry_run):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model, way, case, str(length)]
+    cmd += ["--steps", str(steps)] + (["--dry-run"] if dry_run else [])
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or [""])[-1][:200]
+        return {"error": f"exit {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def _cell(result, key, fmt):
+    return "—" if "error" in result else fmt.format(result[key])
+
+
+def report(rows, sizes, lengths):
+    lines = [
+        "# keras-hub language models: unswapped against swapped",
+        "",
+        f"Measured {datetime.date.today()} on {platform.node()} ({os.cpu_count()} cores), "
+        f"`benchmarks/hub_lm.py` (sizes {sizes}).",
+        "",
+        "| backend | model | case | unswapped s | swapped s | time ratio | "
+        "unswapped MiB | swapped MiB | memory ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        un, sw = row["unswapped"], row["swapped"]
+        ratio = mem = "—"
+        if "error" not in un and "error" not in sw:
+            ratio = f"{sw['seconds'] / un['seconds']:.2f}x"
+            if "peak_growth_mib" in un:
+                mem = f"{sw['peak_growth_mib'] / max(un['peak_growth_mib'], 1.0):.2f}x"
+        errors = [
+            f"{w}: {r['error']}" for w, r in (("unswapped", un), ("swapped", sw)) if "error" in r
+        ]
+        lines.append(
+            f"| {row['backend']} | {row['model']} | {row['case']} | "
+            f"{_cell(un, 'seconds', '{:.2f}')} | {_cell(sw, 'seconds', '{:.2f}')} | {ratio} | "
+            f"{_cell(un, 'peak_growth_mib', '{:.0f}') if row['case'] != 'generate' else ''} | "
+            f"{_cell(sw, 'peak_growth_mib', '{:.0f}') if row['case'] != 'generate' else ''} | "
+            f"{mem} |" + (f" {'; '.join(errors)}" if errors else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--lengths", nargs="+", type=int)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--no-generate", action="store_true")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--worker", nargs=4, metavar=("MODEL", "WAY", "CASE", "LENGTH"))
+    args = parser.parse_args(argv)
+    sizes = TOY if args.dry_run else FULL
+    if args.worker:
+        model, way, case, length = args.worker
+        print(json.dumps(worker(model, way, case, int(length), args.steps, sizes)))
+        return 0
+    lengths = args.lengths or (TOY_LENGTHS if args.dry_run else LENGTHS)
+    cases = [("train", n) for n in lengths] + ([] if args.no_generate else [("generate", 0)])
+    rows = []
+    for backend in args.backends:
+        for model in args.models:
+            for case, length in cases:
+                row = {"backend": backend, "model": model, "case": case, "length": length}
+                if case == "train":
+                    row["case"] = f"train T={length}"
+                for way in WAYS:
+                    row[way] = _run(backend, model, way, case, length, args.steps, args.dry_run)
+                    print(backend, model, row["case"], way, row[way], flush=True)
+                rows.append(row)
+    if args.dry_run:
+        print(report(rows, sizes, lengths))
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hub_lm.json"), "w") as f:
+        json.dump({"date": str(datetime.date.today()), "sizes": sizes, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "hub_lm.md"), "w") as f:
+        f.write(report(rows, sizes, lengths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
