@@ -101,9 +101,10 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             after; `w` is `(w - 1, w - 1)`. Models state windows two ways: as
             `t - s < W` (keras-hub's Gemma 1-4, Qwen and Mistral masks, Keras's
             built-in): pass `W`; as `t - s <= W`, `W` keys before the query plus
-            its own (keras-hub's GPT-OSS): pass `W + 1`. EmbeddingGemma's bidirectional window of size `W` is
-            `(W - W // 2 - 1, W // 2)`. With a cache, `t` is the query's position
-            `cache_update_index + t`, so decoding keeps the same window.
+            its own (keras-hub's GPT-OSS): pass `W + 1`. EmbeddingGemma's
+            bidirectional window of size `W` is `(W - W // 2 - 1, W // 2)`. With a
+            cache, `t` is the query's position `cache_update_index + t`, so
+            decoding keeps the same window.
         flash_attention: `None` (the Keras default), `True` or `False`; passed to the
             backend's fused kernel when that kernel runs.
         kernel_initializer: Initializer of the projections' kernels.
