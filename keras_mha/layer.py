@@ -165,9 +165,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             residual add, pooling, recurrent layers, the loss) see what they see
             with the built-in.
         scale: `None` or a positive float: the logits are `(Q_i * scale) K_i^T`;
-            `None` means `1 / sqrt(key_dim)`. Gemma 2, 3, 3n and 4 and T5Gemma use
+            `None` means `1 / sqrt(key_dim)`. Gemma 2 and 3 and T5Gemma use
             `query_pre_attn_scalar ** -0.5` (keras-hub: `1 / sqrt(hidden_dim //
-            num_heads)` where `query_head_dim_normalize=False`), Gemma 3n and 4
+            num_heads)` where `query_head_dim_normalize=False`); Gemma 3n, Gemma 4
             and T5 use 1.0. Every kernel takes it (the fused ones as their `scale`).
         use_output_bias: `None` (the default: `use_bias`) or a bool: whether the
             output projection has a bias. `use_bias=True, use_output_bias=False` is
