@@ -153,7 +153,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             (zero weights, so its output is the output projection's bias, on every
             path; difference 5) or "builtin": what the built-in gives it, the mean of
             all the values (uniform weights) where the built-in runs
-            `ops.dot_product_attention` (no attention dropout, no scores requested,
+            `ops.dot_product_attention` (no dropout on the weights, no scores requested,
             one attention axis) and that kernel gives the mean (not torch's CUDA
             kernels), zero weights elsewhere. `keras_mha.swap` and
             `swapped()` build ours with "builtin", so a moved model predicts as before
@@ -979,7 +979,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
     def _fully_masked(self, return_attention_scores, output):
         """What a row with no visible key gets in this call: "mean" (the values' mean,
         `kernels.mean_where_empty`) where the built-in's call would run
-        `ops.dot_product_attention` (no attention dropout, no scores, one attention
+        `ops.dot_product_attention` (no dropout on the weights, no scores, one attention
         axis; it has no sinks) and that gives the mean where `output` lives, with
         `fully_masked_rows="builtin"`; else "zero"."""
         builtin_fused_path = (
