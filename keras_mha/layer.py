@@ -5,7 +5,6 @@ The math lives in `kernels.py`, the masks in `masks.py`, the einsum bookkeeping 
 call -> masks -> projections -> attention kernel -> output projection.
 """
 
-import copy
 import dataclasses
 import functools
 import inspect
@@ -469,7 +468,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             "use_sinks": self._use_sinks,
             "rope_max_wavelength": self._rope_max_wavelength,
             "rope_scaling_factor": self._rope_scaling_factor,
-            "rope_scaling": copy.deepcopy(self._rope_scaling),
+            "rope_scaling": rope.plain(self._rope_scaling),
             "rope_dim": self._rope_dim,
             "rope_dim_layout": self._rope_dim_layout,
             "rope_interleaved": self._rope_interleaved,

@@ -386,6 +386,14 @@ def check_scaling(value, rotated_dim):
     return result
 
 
+def plain(scaling):
+    """`rope_scaling` as plain data (a layer's attributes hold Keras's tracked dicts
+    and lists): a new dict, its lists new lists."""
+    if scaling is None:
+        return None
+    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in scaling.items()}
+
+
 def _positive_numbers(values):
     return isinstance(values, (list, tuple)) and all(
         isinstance(v, numbers.Real)
