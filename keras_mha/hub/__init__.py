@@ -25,6 +25,7 @@ __all__ = [
     "describe_masks",
     "hub_classes",
     "patch",
+    "set_packed",
     "unpatch",
 ]
 
@@ -83,11 +84,12 @@ def _constructor(hub_cls, key):
 _DECODER_MASK_METHOD = "_compute_self_attention_mask"
 
 
-def describe_masks(model):
+def describe_masks(model, packed=False):
     """Makes each decoder block of `model` that holds a `HubAttention` whose entry has
     a `decoder_mask` pass its self-attention mask described (`common.DecoderMask`):
     the block's own `_compute_self_attention_mask` is replaced on that instance only.
-    Returns the number of blocks changed."""
+    With `packed`, the blocks read the model's `padding_mask` as document ids (see
+    `set_packed`). Returns the number of blocks changed."""
     changed = 0
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if not hasattr(layer, _DECODER_MASK_METHOD):
@@ -96,7 +98,43 @@ def describe_masks(model):
         entries = {c.entry for c in children if isinstance(c, HubAttention)}
         describe = {e.decoder_mask for e in entries}
         if len(describe) == 1 and None not in describe:
-            method = functools.partial(describe.pop(), layer)
+            method = functools.partial(_described, describe.pop(), layer, packed)
             object.__setattr__(layer, _DECODER_MASK_METHOD, method)
             changed += 1
     return changed
+
+
+def _described(decoder_mask, layer, packed, *args, **kwargs):
+    mask = decoder_mask(layer, *args, **kwargs)
+    return mask.packed() if packed else mask
+
+
+def set_packed(model, packed=True):
+    """Makes a swapped keras-hub language model train on packed rows, in place.
+
+    Its decoder blocks then read the `padding_mask` input as `(B, T)` document ids
+    (1, 2, ... per document, 0 = padding; `keras_mha.packing.pack`'s `segment_ids`):
+    each token attends only to the earlier tokens of its own document, and RoPE
+    positions restart at 0 at each document. Feed `fit()` `{"token_ids": ...,
+    "padding_mask": segment_ids}`, the targets, and the loss mask as sample weights.
+    `set_packed(model, False)` restores the usual reading (nonzero = a token). A
+    `.keras` file of the model loads unpacked.
+
+    Args:
+        model: a model returned by `keras_mha.swap` (or loaded from `save_swapped`)
+            whose attention classes describe their decoder masks.
+        packed: whether `padding_mask` holds document ids.
+
+    Returns:
+        `model`.
+
+    Raises:
+        ValueError: no decoder block of `model` can read document ids.
+    """
+    if not describe_masks(model, packed=bool(packed)):
+        raise ValueError(
+            "Received an invalid value for argument `model`, expected a keras-hub "
+            "language model swapped by `keras_mha.swap` whose decoder blocks describe "
+            f"their masks. Received: model={model.name}"
+        )
+    return model

@@ -20,6 +20,13 @@ class DecoderMask:
 
     padding_mask: object = None
     attention_mask: object = None
+    segment_ids: object = None
+
+    def packed(self):
+        """The same mask for packed rows: the padding mask read as `(B, T)` document
+        ids (0 = padding), so attention stays in each document and RoPE positions
+        restart at each (`keras_mha.hub.set_packed`)."""
+        return DecoderMask(attention_mask=self.attention_mask, segment_ids=self.padding_mask)
 
 
 def causal_decoder_mask(
@@ -78,6 +85,7 @@ def self_attention(
         masks = {
             "key_mask": attention_mask.padding_mask,
             "attention_mask": attention_mask.attention_mask,
+            "segment_ids": attention_mask.segment_ids,
             "use_causal_mask": True,
         }
     return attention(

@@ -1,0 +1,94 @@
+"""Packed rows through a swapped keras-hub language model (`keras_mha.hub.set_packed`):
+a document's logits, per-token losses and gradients in a packed row equal those keras-hub's
+own (unswapped) model gives it alone in a row of its own, for random document lengths
+(hypothesis)."""
+
+import functools
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from helpers import to_numpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_hub import RUN_EAGERLY, VOCAB, ZOO, _randomize
+
+import keras_mha
+from keras_mha import hub, packing
+
+ROW = 16  # tokens per packed row
+# Causal language models whose attention our layer runs with RoPE (positions restart
+# at each document).
+PACKED = [name for name in ("llama", "gemma3", "gpt_oss") if name in ZOO]
+
+
+@functools.cache
+def _models(name):
+    keras.utils.set_random_seed(0)
+    model = ZOO[name].build()
+    _randomize(model, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = keras_mha.swap(model)
+    hub.set_packed(swapped)
+    return model, swapped
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+
+
+def _step_delta(lm, inputs, targets, weights):
+    """The weights' change of one SGD step (rate 1) on the summed, weighted loss:
+    minus the gradient of that loss."""
+    before = lm.get_weights()
+    lm.compile(optimizer=keras.optimizers.SGD(1.0), loss=_loss(), run_eagerly=RUN_EAGERLY)
+    lm.train_on_batch(inputs, targets, sample_weight=weights)
+    after = lm.get_weights()
+    lm.set_weights(before)
+    return [a - b for a, b in zip(after, before)]
+
+
+@pytest.mark.parametrize("name", PACKED)
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(2, 8), min_size=2, max_size=4))
+def test_a_document_gets_its_own_logits_and_gradients_packed(name, lengths):
+    model, swapped = _models(name)
+    rng = np.random.default_rng(len(lengths))
+    documents = [rng.integers(1, VOCAB, n) for n in lengths]
+    rows = packing.pack(documents, ROW)
+    row = 0
+    packed_inputs = {
+        "token_ids": rows["token_ids"][row : row + 1],
+        "padding_mask": rows["segment_ids"][row : row + 1],
+    }
+    packed_logits = to_numpy(swapped(packed_inputs))[0]
+    ids = rows["segment_ids"][row]
+    for document in range(1, ids.max() + 1):
+        where = np.flatnonzero(ids == document)
+        tokens = rows["token_ids"][row, where][None]
+        alone = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+        expected = to_numpy(model(alone))[0]
+        np.testing.assert_allclose(packed_logits[where], expected, atol=1e-5, rtol=1e-5)
+    # Gradients of one document's loss: packed (the others weigh 0) and alone.
+    where = np.flatnonzero(ids == 1)
+    targets = rows["targets"][row : row + 1]
+    weights = (rows["loss_mask"][row : row + 1] & (ids == 1)[None]).astype("float32")
+    packed_delta = _step_delta(swapped, packed_inputs, targets, weights)
+    tokens = rows["token_ids"][row, where][None]
+    alone_delta = _step_delta(
+        model,
+        {"token_ids": tokens, "padding_mask": np.ones_like(tokens)},
+        targets[:, where],
+        weights[:, where],
+    )
+    assert max(np.abs(d).max() for d in alone_delta) > 1e-6
+    for ours, theirs in zip(packed_delta, alone_delta):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_set_packed_rejects_a_model_it_cannot_pack():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="argument `model`"):
+        hub.set_packed(model)
