@@ -198,7 +198,7 @@ def test_model_comparison_processes_share_a_jax_compilation_cache(
         record.update(backend=backend, ours_error=None, passed=True)
         return [record], 0, []
 
-    monkeypatch.setattr(compare, "_spawn", spawn)
+    monkeypatch.setattr(compare.workers, "_spawn", spawn)
     (record,) = compare.run_model_backend(backend, "model.keras")
     assert record["peak_ratio"] == 1.0
     assert [job for job, _, _ in seen] == ["model", "memory", "memory"]
