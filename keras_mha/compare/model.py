@@ -67,19 +67,22 @@ def compare_model(path, imports=(), inputs=None, repeats=None, perturb=0.0, seed
     record["input_cases"] = {}
     for name, case_arrays in _input_cases(builtin, specs, arrays, inputs):
         try:
-            result = _compare_on(builtin, ours, user_model.model_inputs(builtin, case_arrays), rng)
+            result, evidence = _compare_on(
+                builtin, ours, user_model.model_inputs(builtin, case_arrays), rng
+            )
         except Exception as error:
             record["ours_error"] = _error_text(error)
             record["passed"] = False
             return record
         record["builtin_error"] = record["builtin_error"] or result.pop("builtin_error")
-        result["passed"] = _case_passed(result)
+        _judge(result, evidence, path, imports, case_arrays)
         record["input_cases"][name] = result
         for key in ("max_abs_diff", "grad_max_abs_diff", "grad_scale"):
             values = [v for v in (record[key], result[key]) if v is not None]
             record[key] = max(values) if values else None
     feed = user_model.model_inputs(builtin, arrays)
     record["passed"] = all(case["passed"] for case in record["input_cases"].values())
+    record["classification"] = _classifications(record["input_cases"])
     if repeats > 0:
         try:
             _time_user_models(record, ours, builtin, feed, repeats)
@@ -105,9 +108,11 @@ def _input_cases(model, specs, arrays, inputs_file):
 
 def _compare_on(builtin, ours, feed, rng):
     """Outputs, their Keras masks and weight gradients of both models on one input
-    case: a dict with `max_abs_diff`, `grad_max_abs_diff`, `grad_scale`,
-    `masks_match` (`None` where the built-in failed), `builtin_error` and `finite`
-    (ours). Ours failing raises."""
+    case: `(found, evidence)`. `found`, a dict with `max_abs_diff`,
+    `grad_max_abs_diff`, `grad_scale`, `masks_match` (`None` where the built-in
+    failed), `builtin_error` and `finite` (ours); `evidence`, the arrays behind them
+    (`cotangents`, and `ours` and `builtin`, each `{"outputs", "grads"}`), for
+    `_judge`. Ours failing raises."""
     found = dict(
         max_abs_diff=None,
         grad_max_abs_diff=None,
@@ -139,13 +144,56 @@ def _compare_on(builtin, ours, feed, rng):
             for a, b in zip(_output_masks(ours, feed), _output_masks(builtin, feed))
         )
     found["finite"] = bool(all(np.all(np.isfinite(x)) for x in [*result, *ours_grads]))
-    return found
+    evidence = {
+        "cotangents": cotangents,
+        "ours": {"outputs": result, "grads": ours_grads},
+        "builtin": None if reference is None else {"outputs": reference, "grads": builtin_grads},
+    }
+    return found, evidence
 
 
 def _case_passed(result):
     """Ours finite, differences within tolerance, the outputs' masks the same."""
     finite = result.pop("finite")
     return bool(finite and within_tolerance(result) and result["masks_match"] is not False)
+
+
+def _judge(result, evidence, path, imports, arrays):
+    """Sets the case's `passed` and `classification`: a case that fails only in the
+    pattern of a known defect of the built-in (`known.suspect`) is judged against the
+    built-in on another backend (`workers.run_reference`), and passes, classified, when
+    ours matches that reference and the built-in here does not (`known.classify`)."""
+    import keras
+
+    from keras_mha.compare import known
+
+    finite = result["finite"]
+    result["passed"] = _case_passed(result)
+    result["classification"] = None
+    if result["passed"] or not finite or evidence["builtin"] is None:
+        return
+    backend = keras.backend.backend()
+    if not known.suspect(backend, result):
+        return
+    from keras_mha.compare import records, workers
+
+    other = known.reference_backend(backend, records.installed_backends())
+    result["reference_backend"] = other
+    if other is None:
+        return
+    reference = workers.run_reference(other, path, imports, arrays, evidence["cotangents"])
+    classification = known.classify(evidence["ours"], evidence["builtin"], reference)
+    if classification is not None:
+        result["classification"] = classification
+        result["passed"] = True
+
+
+def _classifications(input_cases):
+    """The names of the known differences found in any input case, or `None`."""
+    names = sorted(
+        {c["classification"]["name"] for c in input_cases.values() if c.get("classification")}
+    )
+    return names or None
 
 
 def _output_masks(model, feed):
@@ -198,10 +246,11 @@ def swap_file(in_path, out_path, imports=(), inputs=None, perturb=0.0, seed=0):
     rng = np.random.default_rng(seed)
     cases = {}
     for name, case_arrays in _input_cases(builtin, specs, arrays, inputs):
-        result = _compare_on(builtin, ours, user_model.model_inputs(builtin, case_arrays), rng)
+        feed = user_model.model_inputs(builtin, case_arrays)
+        result, evidence = _compare_on(builtin, ours, feed, rng)
         if result["builtin_error"]:
             raise RuntimeError(f"the model as it is fails: {result['builtin_error']}")
-        result["passed"] = _case_passed(result)
+        _judge(result, evidence, in_path, imports, case_arrays)
         del result["builtin_error"]
         cases[name] = result
     swapping.save_swapped(ours, out_path)
@@ -215,6 +264,7 @@ def swap_file(in_path, out_path, imports=(), inputs=None, perturb=0.0, seed=0):
         "input_cases": cases,
         "tolerance": ATOL,
         "passed": all(case["passed"] for case in cases.values()),
+        "classification": _classifications(cases),
         "out": out_path,
     }
 
@@ -231,6 +281,20 @@ def peak_memory(path, which, imports=(), inputs=None, seed=0):
     targets = _targets(model.predict_on_batch(feed))
     model.train_on_batch(feed, targets)
     return _peak_mib()
+
+
+def builtin_reference(path, imports, arrays, cotangents):
+    """The file's model as it is, on this backend: `{"outputs", "grads"}` on `arrays`
+    (flat, as `user_model.synthesize` gives them), the gradients of
+    `sum_i sum(output_i * cotangent_i)` with respect to its trainable weights (what
+    `_compare_on` measures); the reference of `_judge`, run by `workers.run_reference`."""
+    from keras_mha import user_model
+
+    user_model.import_modules(imports)
+    builtin = user_model.load(path)
+    feed = user_model.model_inputs(builtin, list(arrays))
+    outputs = _flat_outputs(builtin.predict_on_batch(feed))
+    return {"outputs": outputs, "grads": _weight_gradients(builtin, feed, list(cotangents))}
 
 
 def _load_pair(path, imports, inputs, seed, which=None):

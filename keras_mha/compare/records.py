@@ -34,6 +34,12 @@ RECORD_KEYS = (
     "ours_train_ms",
     "builtin_train_ms",
     "train_ratio",
+    "ours_predict_quartiles",
+    "builtin_predict_quartiles",
+    "predict_ratio_quartiles",
+    "ours_train_quartiles",
+    "builtin_train_quartiles",
+    "train_ratio_quartiles",
     "ours_peak_mib",
     "builtin_peak_mib",
     "peak_ratio",
@@ -41,6 +47,7 @@ RECORD_KEYS = (
     "ours_error",
     "tolerance",
     "passed",
+    "classification",
 )
 
 
@@ -89,7 +96,10 @@ def failed_input_cases(record):
 def _time_steps(record, models, steps, repeats):
     """For each step, the median ms of `step(model)` for each of `models` ("ours" and
     maybe "builtin"), in alternated rounds after a warm-up; sets the record's times and
-    ratios. A built-in that fails is recorded and dropped; ours failing raises."""
+    ratios, and their spread: `{side}_{step}_quartiles`, the first and third quartiles
+    of each side's times, and `{step}_ratio_quartiles`, those of the rounds' ratios
+    (ours / built-in within one round). A built-in that fails is recorded and dropped;
+    ours failing raises."""
     models = dict(models)
     for step_name, step in steps.items():
         times = {name: [] for name in models}
@@ -113,10 +123,19 @@ def _time_steps(record, models, steps, repeats):
         for name in ("ours", "builtin"):
             if times.get(name):
                 record[f"{name}_{step_name}_ms"] = statistics.median(times[name])
+                record[f"{name}_{step_name}_quartiles"] = _quartiles(times[name])
+        if times.get("ours") and times.get("builtin"):
+            rounds = [a / b for a, b in zip(times["ours"], times["builtin"])]
+            record[f"{step_name}_ratio_quartiles"] = _quartiles(rounds)
         if record[f"ours_{step_name}_ms"] and record[f"builtin_{step_name}_ms"]:
             record[f"{step_name}_ratio"] = (
                 record[f"ours_{step_name}_ms"] / record[f"builtin_{step_name}_ms"]
             )
+
+
+def _quartiles(values):
+    """`[first, third]` quartile (NumPy's linear interpolation)."""
+    return [float(q) for q in np.percentile(values, [25, 75])]
 
 
 def _max_abs_diff(a, b):

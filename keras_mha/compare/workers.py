@@ -14,7 +14,7 @@ import tempfile
 import traceback
 
 from keras_mha.compare.cases import DEFAULT_CASES, Case, compare_case
-from keras_mha.compare.model import compare_model, peak_memory, swap_file
+from keras_mha.compare.model import builtin_reference, compare_model, peak_memory, swap_file
 from keras_mha.compare.records import (
     ATOL,
     BACKENDS,
@@ -182,6 +182,67 @@ def run_swap(backend, in_path, out_path, imports=(), inputs=None, perturb=0.0):
     return results[0]
 
 
+def run_reference(backend, path, imports, arrays, cotangents):
+    """The model of a `.keras` file as it is (the built-in), on `backend` in a child
+    process: its outputs and the gradients of `sum_i sum(output_i * cotangent_i)` with
+    respect to its trainable weights, on `arrays` (`model.builtin_reference`).
+
+    Returns:
+        `{"backend", "outputs", "grads"}` (lists of NumPy arrays), or `None` where the
+        child failed.
+    """
+    import numpy as np
+
+    _check_backend(backend)
+    with tempfile.TemporaryDirectory(prefix="keras-mha-reference-") as tmp:
+        given, found = os.path.join(tmp, "given.npz"), os.path.join(tmp, "found.npz")
+        np.savez(
+            given,
+            **{f"array_{i}": np.asarray(a) for i, a in enumerate(arrays)},
+            **{f"cotangent_{i}": np.asarray(c) for i, c in enumerate(cotangents)},
+        )
+        spec = {
+            "job": "reference",
+            "path": os.path.abspath(path),
+            "imports": list(imports),
+            "given": given,
+            "found": found,
+        }
+        try:
+            results, _, _ = _spawn(backend, spec)
+        except Exception:
+            return None
+        if not results or not os.path.isfile(found):
+            return None
+        with np.load(found) as data:
+            count = results[0]
+            outputs = [data[f"output_{i}"] for i in range(count["outputs"])]
+            grads = [data[f"grad_{i}"] for i in range(count["grads"])]
+    return {"backend": backend, "outputs": outputs, "grads": grads}
+
+
+def _reference_job(spec):
+    """The child's side of `run_reference`: writes the arrays, returns their counts."""
+    import numpy as np
+
+    with np.load(spec["given"]) as data:
+        arrays, cotangents = (
+            [data[f"{kind}_{i}"] for i in range(_count(data, kind))]
+            for kind in ("array", "cotangent")
+        )
+    found = builtin_reference(spec["path"], spec["imports"], arrays, cotangents)
+    np.savez(
+        spec["found"],
+        **{f"output_{i}": a for i, a in enumerate(found["outputs"])},
+        **{f"grad_{i}": g for i, g in enumerate(found["grads"])},
+    )
+    return {"outputs": len(found["outputs"]), "grads": len(found["grads"])}
+
+
+def _count(data, kind):
+    return sum(name.startswith(f"{kind}_") for name in data.files)
+
+
 def _check_backend(backend):
     if backend not in BACKENDS:
         raise ValueError(
@@ -262,6 +323,8 @@ def _worker(spec_path):
                 spec["inputs"],
                 perturb=spec["perturb"],
             )
+        elif job == "reference":
+            result = _reference_job(spec)
         else:
             peak = peak_memory(spec["path"], spec["which"], spec["imports"], spec["inputs"])
             result = {"peak_mib": peak}
