@@ -504,7 +504,7 @@ def plot_ratios(records, path):
         ax.set_ylim(0, top)
         middle = transforms.blended_transform_factory(ax.transData, ax.transAxes)
         for x, r in zip(xs, rows):
-            if r["predict_ratio"] is None and r["train_ratio"] is None:
+            if r.get("predict_ratio") is None and r.get("train_ratio") is None:
                 ax.text(
                     x,
                     0.5,
@@ -523,7 +523,7 @@ def plot_ratios(records, path):
         for tick, (_, color) in zip(ax.get_xticklabels(), labels):
             tick.set_color(color)
         ax.set_ylabel("time ours / built-in")
-        same = sum(bool(r["passed"]) for r in rows)
+        same = sum(bool(r.get("passed")) for r in rows)
         ax.set_title(
             f"{backend}: {same}/{len(rows)} same within {compare.ATOL:g}; bars: ours / "
             "built-in, below 1 ours faster; whiskers: quartiles of the timed rounds",
@@ -538,19 +538,19 @@ def plot_ratios(records, path):
 def _parity_label(record):
     """The x label of one case: its name, its largest differences, its verdict, and the
     verdict's color."""
-    diffs = f"out {_short(record['max_abs_diff'])}, grad {_short(record['grad_max_abs_diff'])}"
-    if record["ours_error"]:
-        return f"{record['case']}\nours failed", "red"
-    if not record["passed"]:
-        return f"{record['case']}\n{diffs}\nDIFFERS", "red"
-    if record.get("classification"):
-        return (
-            f"{record['case']}\n{diffs}\nsame; built-in's grads\nwrong (masks guide)",
-            "darkorange",
-        )
-    if record["builtin_error"]:
-        return f"{record['case']}\nbuilt-in failed\n(not compared)", "0.35"
-    return f"{record['case']}\n{diffs}\nsame", "#1a7f37"
+    case, get = record["case"], record.get
+    diffs = f"out {_short(get('max_abs_diff'))}, grad {_short(get('grad_max_abs_diff'))}"
+    if get("ours_error"):
+        return f"{case}\nours failed", "red"
+    if get("passed") is False:
+        return f"{case}\n{diffs}\nDIFFERS", "red"
+    if get("classification"):
+        return f"{case}\n{diffs}\nsame; built-in's grads\nwrong (masks guide)", "darkorange"
+    if get("builtin_error"):
+        return f"{case}\nbuilt-in failed\n(not compared)", "0.35"
+    if get("max_abs_diff") is None:
+        return f"{case}\nnot compared", "0.35"
+    return f"{case}\n{diffs}\nsame", "#1a7f37"
 
 
 def _short(value):
