@@ -61,6 +61,7 @@ PROTECTED_OVERRIDES = frozenset(
 SWAPPED = "swapped"
 REBUILT = "rebuilt on keras_mha"
 MOVED = "moved from keras-hub's own class"
+MOVED_STATUSES = (SWAPPED, REBUILT, MOVED)  # the layer runs on ours after the swap
 ALREADY = "already keras_mha"
 LEFT = "left on the built-in"
 
@@ -160,10 +161,10 @@ def swap(model):
         with tempfile.TemporaryDirectory(prefix="keras-mha-swap-") as tmp:
             path = os.path.join(tmp, "model.keras")
             model.save(path)
-            result = load_swapped(path, safe_mode=False)  # our own copy of the user's object
+            result = _load_under_swapped(path, safe_mode=False)  # our own copy of the user's
     _keep_trainable(model, result)
     rows = swap_report(model, result)
-    if not any(row["status"] in (SWAPPED, REBUILT, MOVED) for row in rows):
+    if not any(row["status"] in MOVED_STATUSES for row in rows):
         raise ValueError(
             "Received an invalid value for argument `model`, expected a model holding "
             f"a keras.layers.MultiHeadAttention to swap. Received: model={model.name} "
@@ -239,19 +240,37 @@ def _keep_trainable(original, result):
 
 
 def load_swapped(filepath, **kwargs):
-    """`keras.saving.load_model(filepath, **kwargs)` under `swapped()`."""
+    """`keras.saving.load_model(filepath, **kwargs)` under `swapped()`.
+
+    A model holding keras-hub attention classes of its own loads as it is, then moves
+    as `swap` moves it (their variables are not ours: Keras's loader cannot match them).
+    """
     with zipfile.ZipFile(filepath) as archive:
-        _import_keras_hub_for(archive.read("config.json").decode())
+        uses_keras_hub = _import_keras_hub_for(archive.read("config.json").decode())
+    if uses_keras_hub:
+        model = keras.saving.load_model(filepath, **kwargs)
+        if any(hub.is_hub_attention(layer) for _, layer in attention_layers(model)):
+            result = _swap_in_memory(model)
+            _keep_trainable(model, result)
+            return result
+    return _load_under_swapped(filepath, **kwargs)
+
+
+def _load_under_swapped(filepath, **kwargs):
     with swapped():
         return keras.saving.load_model(filepath, **kwargs)
 
 
 def _import_keras_hub_for(config):
     """Imports keras-hub before a config that names it is deserialised under
-    `swapped()`, which patches its attention classes only once they are imported."""
+    `swapped()`, which patches its attention classes only once they are imported;
+    returns whether it names keras-hub."""
     text = config if isinstance(config, str) else json.dumps(config, default=str)
-    if "keras_hub" in text:
-        import keras_hub  # noqa: F401
+    if "keras_hub" not in text:
+        return False
+    import keras_hub  # noqa: F401
+
+    return True
 
 
 # ------------------------------------------------------------------ saving a swap

@@ -72,7 +72,7 @@ def _check_ours(directory):
 def _check_builtin(directory):
     from keras_mha import compare
 
-    # `swap_file` compares as `compare_model` does (`compare._compare_on`: outputs,
+    # `swap_file` compares as `compare_model` does (`compare.model._compare_on`: outputs,
     # masks and weight gradients on unpadded and padded inputs) before it writes: one
     # load and comparison, not two (under torch, a file saved under JAX loads with
     # `jit_compile=True`: each model's first call there is a `torch.compile`).

@@ -114,6 +114,24 @@ def build_classifier(seed=0):
     return model
 
 
+def build_residual_classifier(seed=0):
+    """keras.io's text classifier with a causal residual on top: Embedding(mask_zero=True)
+    -> TransformerBlock (built-in inside) -> `x + MultiHeadAttention(x, x,
+    use_causal_mask=True)` (the sum drops the Keras mask) -> pooling over every row,
+    padded ones included -> Dense. Padded query rows have no key to attend to and reach
+    the loss: on torch the built-in's gradients through them are wrong (masks guide)."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((MAXLEN,), dtype="int32", name="tokens")
+    x = layers.Embedding(VOCAB, EMBED, mask_zero=True)(tokens)
+    x = TransformerBlock(EMBED, HEADS, FF, name="block")(x)
+    x = x + layers.MultiHeadAttention(2, 8, name="causal_attention")(x, x, use_causal_mask=True)
+    x = layers.GlobalAveragePooling1D()(x)
+    outputs = layers.Dense(3, activation="softmax", name="classes")(x)
+    model = keras.Model(tokens, outputs, name="residual_classifier")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+
 def build_deep(seed=0):
     """Attention two user layers down, in a list: Encoder -> blocks[i] -> att."""
     keras.utils.set_random_seed(seed)

@@ -3,6 +3,7 @@ subprocess, its worker in another, on the current backend. Exit-status plumbing 
 is the same on every backend is marked `once` (make test runs it in one backend's run).
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -162,12 +163,52 @@ def test_compare_model_passes_padded_inputs_reaching_the_output(tmp_path):
     path = tmp_path / "residual.keras"
     keras.Model(tokens, outputs, name="residual").save(path)
     done = _run("compare", "--model", path, "--backend", BACKEND, "--repeats", "1", "--no-memory")
-    if BACKEND == "torch":  # the built-in's torch backward differs there (masks guide)
-        assert done.returncode == 1, done.stdout + done.stderr
-        assert "residual (padded inputs)" in done.stdout
-        return
     assert done.returncode == 0, done.stdout + done.stderr
     assert "padded" in done.stdout and "FAIL" not in done.stdout
+    # torch: the built-in's backward differs there (masks guide), a known difference
+    assert ("docs/guide/masks.md#rows-with-no-key-to-attend-to" in done.stdout) is (
+        BACKEND == "torch"
+    )
+
+
+@pytest.fixture(scope="module")
+def residual(tmp_path_factory):
+    """keras.io's classifier with `x + attention(x, x, use_causal_mask=True)`, saved
+    under tensorflow where it is installed (as the issue's user did)."""
+    path = tmp_path_factory.mktemp("residual") / "user.keras"
+    code = f"import swap_models; swap_models.build_residual_classifier().save({str(path)!r})"
+    backend = "tensorflow" if importlib.util.find_spec("tensorflow") else BACKEND
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": backend,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+    }
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True)
+    return path
+
+
+def test_swap_passes_the_builtins_known_torch_difference_in_one_line(residual, tmp_path):
+    out = tmp_path / "out.keras"
+    done = _run("swap", residual, out, "--import", "swap_models", "--backend", BACKEND)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "FAIL" not in done.stdout and out.exists()
+    lines = [line for line in done.stdout.splitlines() if "KNOWN" in line]
+    if BACKEND != "torch":
+        assert lines == [] and "PASS: padded inputs" in done.stdout
+        return
+    (line,) = lines
+    assert line.startswith("KNOWN: padded inputs: the weight gradients differ only where")
+    assert "docs/guide/masks.md#rows-with-no-key-to-attend-to" in line
+    assert "ours matches the built-in on" in line
+    assert "PASS: unpadded inputs" in done.stdout and "PASS: padded" not in done.stdout
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the known difference is torch's")
+def test_perturbed_swap_beside_the_known_difference_still_exits_1(residual, tmp_path):
+    args = ("--import", "swap_models", "--backend", BACKEND, "--perturb", "0.05")
+    done = _run("swap", residual, tmp_path / "out.keras", *args)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL: padded inputs" in done.stdout and "KNOWN" not in done.stdout
 
 
 @pytest.mark.once
@@ -198,7 +239,7 @@ def test_model_comparison_processes_share_a_jax_compilation_cache(
         record.update(backend=backend, ours_error=None, passed=True)
         return [record], 0, []
 
-    monkeypatch.setattr(compare, "_spawn", spawn)
+    monkeypatch.setattr(compare.workers, "_spawn", spawn)
     (record,) = compare.run_model_backend(backend, "model.keras")
     assert record["peak_ratio"] == 1.0
     assert [job for job, _, _ in seen] == ["model", "memory", "memory"]

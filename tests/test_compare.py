@@ -27,6 +27,16 @@ def test_seed_case_matches_builtin_outputs_scores_and_gradients():
     assert set(compare.RECORD_KEYS) <= set(record)
 
 
+def test_timed_rounds_keep_their_quartiles():
+    record = compare.compare_case(SEED_CASE, quick=True, repeats=4)
+    for step in ("predict", "train"):
+        for side in ("ours", "builtin"):
+            low, high = record[f"{side}_{step}_quartiles"]
+            assert 0 < low <= record[f"{side}_{step}_ms"] <= high
+        low, high = record[f"{step}_ratio_quartiles"]
+        assert 0 < low <= high
+
+
 def test_perturbed_weights_are_caught_on_outputs_scores_and_gradients():
     record = compare.compare_case(SEED_CASE, quick=True, repeats=0, perturb=1e-2)
     assert record["max_abs_diff"] > 1e-4
