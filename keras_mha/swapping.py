@@ -620,6 +620,6 @@ def _class_name(layer):
         return "keras.layers.MultiHeadAttention"
     if cls is layer_lib.MultiHeadAttention:
         return "keras_mha.MultiHeadAttention"
-    if cls is hub.HubAttention:
+    if isinstance(layer, hub.HubAttention):
         return f"keras_mha.MultiHeadAttention ({layer.hub_class.rpartition('.')[2]})"
     return re.sub(r"^__main__\.", "", f"{module}.{cls.__qualname__}")
