@@ -25,6 +25,7 @@ from helpers import to_numpy
 
 import keras_mha
 from keras_mha import hub, swapping
+from keras_mha.hub import adapter
 
 models = keras_hub.models
 
@@ -36,25 +37,195 @@ RUN_EAGERLY = keras.backend.backend() != "jax"
 
 @dataclasses.dataclass
 class Case:
-    """A language model: `build()` returns its task (`generate()` is checked)."""
+    """A language model: `build()` returns its task (`generate()` is checked).
+
+    Where keras-hub's own model cannot take a check, the case says so, and why:
+    - `lora_layer_names`: `enable_lora`'s targets where keras-hub's defaults name none
+      of the model's layers.
+    - `lora_shapes_differ`: why LoRA's weights have other shapes once swapped (only
+      their names are compared).
+    - `generate_fails_on`: `{backend: its error's message (a regex)}` where
+      keras-hub's cached `generate()` fails, and `generate_fails_because`, why: the
+      test checks that it still does, and compares the swapped model's ids with
+      greedy decoding by whole forward passes of the original.
+    """
 
     build: callable
+    lora_layer_names: tuple = None
+    lora_shapes_differ: str = None
+    generate_fails_on: dict = dataclasses.field(default_factory=dict)
+    generate_fails_because: str = None
+
+
+# Shared by the decoders below: 1 layer, hidden 16, 4 query heads over 2 key/value heads.
+TINY = dict(
+    vocabulary_size=VOCAB,
+    num_layers=1,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=16,
+    intermediate_dim=8,
+)
+# A window shorter than the inputs, so that applying it or not shows.
+WINDOW = 3
 
 
 def _llama():
-    backbone = models.LlamaBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        hidden_dim=16,
-        intermediate_dim=8,
-    )
+    backbone = models.LlamaBackbone(**TINY)
     return models.LlamaCausalLM(backbone, preprocessor=None)
 
 
+def _llama3():
+    # Llama 3.1's smoothing on every frequency of a 4-wide head: the pretraining
+    # length sets wavelengths 4 (high) and 16 (low), between the head's 2*pi and 628.
+    backbone = models.Llama3Backbone(
+        **TINY,
+        rope_frequency_adjustment_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_pretraining_sequence_length=16,
+    )
+    return models.Llama3CausalLM(backbone, preprocessor=None)
+
+
+def _mistral():
+    backbone = models.MistralBackbone(**TINY, sliding_window=WINDOW, head_dim=6)
+    return models.MistralCausalLM(backbone, preprocessor=None)
+
+
+def _mixtral():
+    backbone = models.MixtralBackbone(**TINY, num_experts=2, top_k=1, sliding_window=WINDOW)
+    return models.MixtralCausalLM(backbone, preprocessor=None)
+
+
+def _qwen():
+    backbone = models.QwenBackbone(
+        **TINY, use_sliding_window_attention=True, sliding_window_size=WINDOW
+    )
+    return models.QwenCausalLM(backbone, preprocessor=None)
+
+
+def _qwen_moe():
+    backbone = models.QwenMoeBackbone(
+        **TINY,
+        moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=8,
+        num_experts=2,
+        top_k=1,
+        use_sliding_window_attention=True,
+        sliding_window_size=WINDOW,
+    )
+    return models.QwenMoeCausalLM(backbone, preprocessor=None)
+
+
+def _qwen3():
+    backbone = models.Qwen3Backbone(**TINY, head_dim=6, sliding_window_size=WINDOW)
+    return models.Qwen3CausalLM(backbone, preprocessor=None)
+
+
+def _qwen3_moe():
+    backbone = models.Qwen3MoeBackbone(
+        **TINY,
+        head_dim=6,
+        moe_intermediate_dim=8,
+        num_experts=2,
+        top_k=1,
+        sliding_window_size=WINDOW,
+    )
+    return models.Qwen3MoeCausalLM(backbone, preprocessor=None)
+
+
+def _smollm3_backbone(rope_layers, attention_bias):
+    """SmolLM3, one layer per entry of `rope_layers` (RoPE or NoPE)."""
+    return models.SmolLM3Backbone(
+        vocabulary_size=VOCAB,
+        hidden_dim=16,
+        intermediate_dim=8,
+        num_layers=len(rope_layers),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=attention_bias,
+        attention_dropout=0.0,
+        rope_layer_enabled_list=list(rope_layers),
+        layer_types=["attention"] * len(rope_layers),
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        partial_rotary_factor=1.0,
+    )
+
+
+# One layer each: keras-hub's SmolLM3 with two or more layers does not train the same
+# on torch (`test_smollm3_keras_hub_output_projections_share_one_path`).
+def _smollm3():
+    backbone = _smollm3_backbone([True], attention_bias=True)
+    return models.SmolLM3CausalLM(backbone, preprocessor=None)
+
+
+def _smollm3_nope():
+    backbone = _smollm3_backbone([False], attention_bias=False)
+    # keras-hub's SmolLM3 cannot `quantize()` with a NoPE layer: that layer's rotary
+    # embedding, never called, is never built. Built here (its swap has none).
+    backbone.transformer_layers[0].self_attn.rotary_embedding.build(None)
+    return models.SmolLM3CausalLM(backbone, preprocessor=None)
+
+
+def _phi3():
+    backbone = models.Phi3Backbone(**TINY)
+    return models.Phi3CausalLM(backbone, preprocessor=None)
+
+
+def _phi3_longrope():
+    # LongRoPE: the long factors apply from position 6 (the pretraining length) on,
+    # so a whole input and the last steps of `generate()` use them, the first
+    # steps the short ones; head 4 wide, so two factors each.
+    backbone = models.Phi3Backbone(
+        **TINY,
+        max_sequence_length=16,
+        pretraining_sequence_length=6,
+        rope_scaling_type="su",
+        rope_scaling_short_factor=[1.5, 3.0],
+        rope_scaling_long_factor=[2.0, 40.0],
+    )
+    return models.Phi3CausalLM(backbone, preprocessor=None)
+
+
+# keras-hub's Qwen and Qwen-MoE classes test `if cache_update_index` where they apply
+# their window (their explicit path): a traced index has no Python truth value.
+_WINDOW_INDEX = "keras-hub's window on a traced `cache_update_index` (`if cache_update_index`)"
+_GRAPH_BOOL = "symbolic `tf.Tensor` as a Python `bool`"
+_TRACER_BOOL = "_error_repr|boolean conversion"
+
+_SMOLLM3_LORA = dict(
+    # keras-hub's LoRA defaults name `query`/`value`; SmolLM3's are `q_proj`/`v_proj`.
+    lora_layer_names=("q_proj", "v_proj", "query", "value"),
+    lora_shapes_differ="SmolLM3's query and value projections are `Dense` layers, "
+    "whose LoRA factors are `(dim, r) x (r, N * H)`; ours are `EinsumDense` layers, "
+    "`(dim, N, r) x (r, H)`.",
+)
+
 ZOO = {
     "llama": Case(_llama),
+    "llama3": Case(_llama3),
+    "mistral": Case(_mistral),
+    "mixtral": Case(_mixtral),
+    "qwen": Case(
+        _qwen,
+        generate_fails_on={"tensorflow": _GRAPH_BOOL},
+        generate_fails_because=_WINDOW_INDEX,
+    ),
+    "qwen_moe": Case(
+        _qwen_moe,
+        generate_fails_on={"tensorflow": _GRAPH_BOOL, "jax": _TRACER_BOOL},
+        generate_fails_because=_WINDOW_INDEX,
+    ),
+    "qwen3": Case(_qwen3),
+    "qwen3_moe": Case(_qwen3_moe),
+    "smollm3": Case(_smollm3, **_SMOLLM3_LORA),
+    "smollm3_nope": Case(_smollm3_nope, **_SMOLLM3_LORA),
+    "phi3": Case(_phi3),
+    "phi3_longrope": Case(_phi3_longrope),
 }
 
 
@@ -117,12 +288,30 @@ def test_logits_match(pair):
     np.testing.assert_allclose(_logits(swapped, inputs), expected, atol=ATOL, rtol=1e-5)
 
 
+def _greedy_without_cache(model, inputs, prompt):
+    """Greedy decoding by whole forward passes, no cache: the ids keras-hub's
+    `generate()` gives where its cached decoding runs."""
+    token_ids, padding_mask = inputs["token_ids"].copy(), inputs["padding_mask"].copy()
+    for position in range(prompt, LENGTH):
+        logits = _logits(model, {"token_ids": token_ids, "padding_mask": padding_mask})
+        token_ids[:, position] = logits[:, position - 1].argmax(axis=-1)
+        padding_mask[:, position] = 1
+    return token_ids
+
+
 def test_greedy_generate_gives_the_same_token_ids(pair):
-    _, model, swapped = pair
+    name, model, swapped = pair
     inputs = _inputs(seed=1, prompt=3)
     results = []
     for lm in (model, swapped):
         lm.compile(sampler="greedy")
+        fails = ZOO[name].generate_fails_on.get(keras.backend.backend())
+        if lm is model and fails:
+            assert ZOO[name].generate_fails_because
+            with pytest.raises(Exception, match=fails):  # keras-hub's own failure
+                lm.generate(inputs, stop_token_ids=None)
+            results.append(_greedy_without_cache(lm, inputs, prompt=3))
+            continue
         results.append(to_numpy(lm.generate(inputs, stop_token_ids=None)["token_ids"]))
     assert (results[0][:, 3:] != 0).any()  # it generated
     np.testing.assert_array_equal(results[1], results[0])
@@ -172,10 +361,14 @@ def test_enable_lora_gives_the_same_trainable_weights(pair):
     model, swapped = _pair(name)  # LoRA changes the models: a pair of its own
     names = []
     for lm in (model, swapped):
-        lm.backbone.enable_lora(2)
-        names.append(sorted((w.name, tuple(w.shape)) for w in lm.backbone.trainable_weights))
+        lm.backbone.enable_lora(2, target_layer_names=ZOO[name].lora_layer_names)
+        weights = lm.backbone.trainable_weights
+        if ZOO[name].lora_shapes_differ:
+            names.append(sorted(w.name for w in weights))
+        else:
+            names.append(sorted((w.name, tuple(w.shape)) for w in weights))
     assert names[1] == names[0]
-    assert any("lora_kernel" in n for n, _ in names[0])
+    assert any("lora_kernel" in str(n) for n in names[0])
     inputs = _inputs()
     np.testing.assert_allclose(
         _logits(swapped, inputs), _logits(model, inputs), atol=ATOL, rtol=1e-5
@@ -194,6 +387,139 @@ def test_int8_quantized_gives_the_same_logits(pair):
     expected = _logits(model, inputs)
     assert np.abs(expected - full).max() > 1e-4  # quantized for real
     np.testing.assert_allclose(_logits(swapped, inputs), expected, atol=ATOL, rtol=1e-5)
+
+
+# ----------------------------------------------------------- entries' options
+def _options(hub_class, dim=16, **kwargs):
+    """Our layer's arguments from the entry of `hub_class` (`"package.module.Class"`
+    under `keras_hub.src.models`) for those keras-hub constructor arguments."""
+    key = f"keras_hub.src.models.{hub_class}"
+    cls = {k: c for c, k in hub.hub_classes().items()}[key]
+    config, _ = adapter.constructor_arguments(cls, (), kwargs)
+    return hub.ADAPTERS[key].options(config, dim)
+
+
+_HEADS = dict(num_query_heads=4, num_key_value_heads=2)
+_QWEN_WINDOW = dict(_HEADS, use_sliding_window_attention=True, sliding_window_size=WINDOW)
+_FUSED_ON_JAX_AND_TORCH = keras.backend.backend() != "tensorflow"
+
+
+# Where keras-hub's class applies its window, on a CPU: the decoder's mask (Mistral,
+# Mixtral) on every path; Qwen's own explicit path, not the fused one (`ops.
+# dot_product_attention`, keras-hub's choice on JAX and torch; Qwen-MoE's only on a
+# GPU or TPU).
+@pytest.mark.parametrize(
+    "hub_class, kwargs, applied",
+    [
+        (
+            "mistral.mistral_attention.CachedMistralAttention",
+            dict(_HEADS, sliding_window=WINDOW),
+            True,
+        ),
+        (
+            "mixtral.mixtral_attention.CachedMixtralAttention",
+            dict(_HEADS, sliding_window=WINDOW),
+            True,
+        ),
+        ("qwen.qwen_attention.QwenAttention", _QWEN_WINDOW, not _FUSED_ON_JAX_AND_TORCH),
+        ("qwen_moe.qwen_moe_attention.QwenMoeAttention", _QWEN_WINDOW, True),
+        (
+            "qwen3.qwen3_attention.Qwen3Attention",
+            dict(_HEADS, head_dim=4, sliding_window_size=WINDOW),
+            not _FUSED_ON_JAX_AND_TORCH,
+        ),
+        (
+            "qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention",
+            dict(_HEADS, sliding_window_size=WINDOW),
+            not _FUSED_ON_JAX_AND_TORCH,
+        ),
+    ],
+    ids=lambda x: x.rpartition(".")[2] if isinstance(x, str) else None,
+)
+def test_sliding_window_is_given_where_keras_hub_applies_it(hub_class, kwargs, applied):
+    assert _options(hub_class, **kwargs)["sliding_window"] == (WINDOW if applied else None)
+
+
+def test_qwen_window_off_gives_no_window():
+    options = _options("qwen.qwen_attention.QwenAttention", **_HEADS, sliding_window_size=WINDOW)
+    assert options["sliding_window"] is None
+
+
+def test_smollm3_rope_per_layer_and_partial_rotary():
+    config = dict(
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_bias=False,
+        attention_dropout=0.0,
+        rope_layer_enabled_list=[True, False],
+        layer_types=["attention"] * 3,
+        partial_rotary_factor=0.5,
+    )
+    smollm3 = "smollm3.smollm3_layers.SmolLM3Attention"
+    first = _options(smollm3, **config, layer_idx=0)
+    assert (first["rope_max_wavelength"], first["rope_dim"]) == (10000.0, 4)  # head of 8
+    assert _options(smollm3, **config, layer_idx=1)["rope_max_wavelength"] is None  # NoPE
+    # Past the list: keras-hub's default, RoPE.
+    assert _options(smollm3, **config, layer_idx=2)["rope_max_wavelength"] == 10000.0
+    whole = _options(smollm3, **dict(config, partial_rotary_factor=1.0), layer_idx=0)
+    assert whole["rope_dim"] is None
+
+
+def test_llama3_and_phi3_longrope_scaling():
+    llama3 = _options(
+        "llama.llama_attention.LlamaAttention",
+        **_HEADS,
+        rope_frequency_adjustment_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_pretraining_sequence_length=16,
+    )
+    assert llama3["rope_scaling"] == {
+        "type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    assert _options("llama.llama_attention.LlamaAttention", **_HEADS)["rope_scaling"] is None
+    phi3 = _options(
+        "phi3.phi3_attention.Phi3Attention",
+        **_HEADS,
+        max_sequence_length=16,
+        pretraining_sequence_length=6,
+        rope_scaling_type="su",
+        rope_scaling_short_factor=[1.5, 3.0],
+        rope_scaling_long_factor=[2.0, 40.0],
+    )
+    assert phi3["rope_scaling"] == {
+        "type": "longrope",
+        "short_factor": [1.5, 3.0],
+        "long_factor": [2.0, 40.0],
+        "original_max_position_embeddings": 6,
+        "max_position_embeddings": 16,
+    }
+    assert _options("phi3.phi3_attention.Phi3Attention", **_HEADS)["rope_scaling"] is None
+
+
+def test_smollm3_keras_hub_output_projections_share_one_path():
+    """keras-hub's `SmolLM3Attention` builds its `o_proj` in `__init__`, outside its
+    layer's name scope: every layer's output kernel has the path `o_proj/kernel`. On
+    torch, where Keras keys a layer's parameters by path (`TorchLayer.
+    _track_variables`), a two-layer SmolLM3 trains otherwise than on JAX and
+    TensorFlow: the first layer's `o_proj` takes another second update, and the
+    losses part from the third step on. Swapped, each weight has its own path, and
+    the torch losses are JAX's and TensorFlow's: keras-hub's wrong gradient is not
+    reproduced."""
+    keras.utils.set_random_seed(0)
+    model = models.SmolLM3CausalLM(_smollm3_backbone([True, False], False), preprocessor=None)
+    paths = [w.path for w in model.weights]
+    assert paths.count("o_proj/kernel") == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = keras_mha.swap(model)
+    paths = [w.path for w in swapped.weights]
+    assert len(set(paths)) == len(paths)
 
 
 # --------------------------------------------------------------------------- guard

@@ -38,6 +38,9 @@ class Entry:
             `call` its mask described (`common.DecoderMask`) instead of dense.
         notes: Where keras-hub's class and ours differ, one line each (the guide's
             table, `swap`'s report).
+        attributes: `None`, or `(config) -> dict`: attributes of the keras-hub layer
+            that its model reads (SmolLM3's decoder reads `self_attn.head_dim`),
+            set on the layer that takes its place.
     """
 
     options: callable
@@ -45,6 +48,7 @@ class Entry:
     weights: callable
     decoder_mask: callable = None
     notes: tuple = ()
+    attributes: callable = None
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -78,8 +82,15 @@ class HubAttention(keras.layers.Layer):
         self.entry = table.ADAPTERS[hub_class]
         self.config = dict(config)
         self.supports_masking = True
+        if self.entry.attributes is not None:
+            for name, value in self.entry.attributes(self.config).items():
+                setattr(self, name, value)
 
     def build(self, input_shape, *args, **kwargs):
+        if input_shape and isinstance(input_shape[0], (list, tuple)):
+            # Built from a list of shapes, the hidden states' first (SmolLM3).
+            input_shape = input_shape[0]
+        input_shape = tuple(input_shape)
         options = self.entry.options(self.config, input_shape[-1])
         self.attention = layer_lib.MultiHeadAttention(
             **options, dtype=self.dtype_policy, name="attention"

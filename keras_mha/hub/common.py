@@ -34,7 +34,8 @@ def causal_decoder_mask(
     decoder_sequence,
     decoder_padding_mask=None,
     decoder_attention_mask=None,
-    **unused,
+    *unused,
+    **unused_by_name,
 ):
     """`_compute_self_attention_mask` of keras-hub's causal decoder blocks (Llama's
     and those written like it), described: the padding mask given, else the sequence's

@@ -1,4 +1,4 @@
-"""Llama (2 and 3.x): `LlamaAttention`."""
+"""Llama (2 and 3.x): `LlamaAttention` (`LlamaBackbone`, `Llama3Backbone`)."""
 
 from keras_mha.hub import common
 from keras_mha.hub.adapter import Entry
@@ -12,11 +12,27 @@ def _options(config, dim):
         num_key_value_heads=config["num_key_value_heads"],
         use_bias=False,
         dropout=config["dropout"],
+        dropout_on="output",
         rope_max_wavelength=config["rope_max_wavelength"],
         rope_scaling_factor=config["rope_position_scaling_factor"],
+        rope_scaling=_llama3_scaling(config),
         kernel_initializer=common.clone(config["kernel_initializer"]),
         fully_masked_rows="builtin",
     )
+
+
+def _llama3_scaling(config):
+    """Llama 3.1+'s frequency smoothing (keras-hub's `LlamaRotaryEmbedding`), set
+    when its four arguments are (keras-hub requires all four or none)."""
+    if config["rope_low_freq_factor"] is None:
+        return None
+    return {
+        "type": "llama3",
+        "factor": config["rope_frequency_adjustment_factor"],
+        "low_freq_factor": config["rope_low_freq_factor"],
+        "high_freq_factor": config["rope_high_freq_factor"],
+        "original_max_position_embeddings": config["rope_pretraining_sequence_length"],
+    }
 
 
 ADAPTERS = {
@@ -25,5 +41,9 @@ ADAPTERS = {
         call=common.self_attention,
         weights=common.weights,
         decoder_mask=common.causal_decoder_mask,
+        notes=(
+            'Dropout on the attention output (`dropout_on="output"`), as keras-hub\'s; '
+            "its masks are drawn from our layer's seed, not keras-hub's.",
+        ),
     ),
 }
