@@ -53,8 +53,68 @@ def _llama():
     return models.LlamaCausalLM(backbone, preprocessor=None)
 
 
+def _gemma():
+    backbone = models.GemmaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=8,
+        head_dim=4,
+    )
+    return models.GemmaCausalLM(backbone, preprocessor=None)
+
+
+def _gemma2():
+    """Gemma 2: the logits scaled by `1 / sqrt(hidden_dim // heads)` (not the head's
+    size), soft-capped, a window of 3 on the first of two layers."""
+    backbone = models.GemmaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=8,
+        head_dim=8,
+        query_head_dim_normalize=False,
+        use_post_ffw_norm=True,
+        use_post_attention_norm=True,
+        attention_logit_soft_cap=1.5,
+        final_logit_soft_cap=30.0,
+        use_sliding_window_attention=True,
+        sliding_window_size=3,
+    )
+    return models.GemmaCausalLM(backbone, preprocessor=None)
+
+
+def _gemma3():
+    """Gemma 3: QK-norm `x * (1 + w)`, five local layers (window 3, RoPE base 1e4)
+    then a global one (base 1e6, linear RoPE scaling 8)."""
+    backbone = models.Gemma3Backbone(
+        vocabulary_size=VOCAB,
+        image_size=16,
+        num_layers=6,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=8,
+        head_dim=4,
+        use_post_ffw_norm=True,
+        use_post_attention_norm=True,
+        use_sliding_window_attention=True,
+        sliding_window_size=3,
+        global_rope_scaling_factor=8.0,
+        vision_encoder=None,
+    )
+    return models.Gemma3CausalLM(backbone, preprocessor=None)
+
+
 ZOO = {
     "llama": Case(_llama),
+    "gemma": Case(_gemma),
+    "gemma2": Case(_gemma2),
+    "gemma3": Case(_gemma3),
 }
 
 
@@ -173,7 +233,11 @@ def test_enable_lora_gives_the_same_trainable_weights(pair):
     names = []
     for lm in (model, swapped):
         lm.backbone.enable_lora(2)
-        names.append(sorted((w.name, tuple(w.shape)) for w in lm.backbone.trainable_weights))
+        # Sizes, not shapes: Gemma's (N, dim, H) kernels are ours transposed (dim, N, H),
+        # and so is the adapter keras's `enable_lora` gives each (the entry's notes).
+        names.append(
+            sorted((w.name, int(np.prod(w.shape))) for w in lm.backbone.trainable_weights)
+        )
     assert names[1] == names[0]
     assert any("lora_kernel" in n for n, _ in names[0])
     inputs = _inputs()

@@ -1,0 +1,137 @@
+"""Gemma 1 and 2 (`CachedGemmaAttention`), Gemma 3 (`CachedGemma3Attention`).
+
+Gemma's query, key and value kernels are `(N, dim, H)` (`"btd,ndh->btnh"`); ours are
+`(dim, N, H)`: they are transposed when ported. Gemma's RoPE interleaves the rotated
+halves of each head (`stack(split(x, 2), -1)`), the same permutation of the query's
+and the key's dimensions, which leaves every logit as it is: ours keeps the halves.
+A query whose keys are all masked gets a zero attention output in keras-hub (it wipes
+it) and with ours (`fully_masked_rows="zero"`).
+"""
+
+import numpy as np
+from keras import ops
+
+from keras_mha.hub import common
+from keras_mha.hub.adapter import Entry
+
+NOTES = (
+    "query/key/value kernels (N, dim, H) ported as (dim, N, H): `enable_lora`'s "
+    "lora_kernel_a is (dim, N, r), not (N, dim, r) (the same adapter, transposed)",
+    "the cache holds keys with RoPE's halves kept, not Gemma's interleaved layout "
+    "(the logits are the same)",
+)
+
+
+def _scale(config, dim):
+    """`query_head_dim_normalize`: `1 / sqrt(head_dim)`, else `1 / sqrt(dim // N)`."""
+    if config["query_head_dim_normalize"]:
+        return float(1.0 / np.sqrt(config["head_dim"]))
+    return float(1.0 / np.sqrt(dim // config["num_query_heads"]))
+
+
+def _window(config):
+    """keras-hub masks `|t - s| <= size - 1`, on the cached path too (at the query's
+    position `cache_update_index + t`): our integer window `size`. EmbeddingGemma's
+    bidirectional window (Gemma 3) keeps `size - size // 2 - 1` keys before the query
+    and `size // 2` after."""
+    if not config["use_sliding_window_attention"]:
+        return None
+    size = config["sliding_window_size"]
+    if config.get("use_bidirectional_attention"):
+        return (size - size // 2 - 1, size // 2)
+    return size
+
+
+def _options(config, dim):
+    return dict(
+        num_heads=config["num_query_heads"],
+        key_dim=config["head_dim"],
+        num_key_value_heads=config["num_key_value_heads"],
+        use_bias=False,
+        dropout=config["dropout"],
+        scale=_scale(config, dim),
+        logit_soft_cap=config["logit_soft_cap"] or None,
+        sliding_window=_window(config),
+        rope_max_wavelength=10_000.0,
+        kernel_initializer=common.clone(config["kernel_initializer"]),
+    )
+
+
+def _weights(layer):
+    """Query, key and value kernels `(N, dim, H)` -> `(dim, N, H)`."""
+    found = common.weights(
+        layer,
+        {
+            "query_dense": "query_dense",
+            "key_dense": "key_dense",
+            "value_dense": "value_dense",
+            "output_dense": "output_dense",
+        },
+    )
+    for name in ("query_dense", "key_dense", "value_dense"):
+        found[name] = [np.transpose(ops.convert_to_numpy(v), (1, 0, 2)) for v in found[name]]
+    return found
+
+
+# ------------------------------------------------------------------------ Gemma 3
+def _gemma3_options(config, dim):
+    options = _options(config, dim)
+    options.update(
+        rope_max_wavelength=config["rope_wavelength"],
+        rope_scaling_factor=config["rope_scaling_factor"],
+    )
+    if config["use_query_key_norm"]:
+        options.update(
+            normalize_qk=True,
+            norm_unit_offset=True,
+            norm_epsilon=config["layer_norm_epsilon"],
+        )
+    return options
+
+
+def _gemma3_weights(layer):
+    found = _weights(layer)
+    if layer.use_query_key_norm:
+        found["_query_norm"] = [layer.query_norm.scale.value]
+        found["_key_norm"] = [layer.key_norm.scale.value]
+    return found
+
+
+def _gemma3_call(
+    attention,
+    x,
+    attention_mask=None,
+    cache=None,
+    cache_update_index=0,
+    cache_update_mask=None,
+    training=False,
+):
+    """Gemma 3's protocol: the cache is a `(keys, values)` pair, each `(B, S, Nkv, H)`,
+    and decoding steps pass a `(B, T)` `cache_update_mask`: where it is false (a
+    prompt's own position), the cache keeps what it holds."""
+    if cache is None:
+        return common.self_attention(attention, x, attention_mask, training=training)
+    output, cache = attention(
+        x,
+        x,
+        attention_mask=attention_mask,
+        cache=ops.stack(cache, axis=1),
+        cache_update_index=cache_update_index,
+        cache_update_mask=cache_update_mask,
+        training=training,
+    )
+    return output, (cache[:, 0, ...], cache[:, 1, ...])
+
+
+ADAPTERS = {
+    "keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention": Entry(
+        options=_options, call=common.self_attention, weights=_weights, notes=NOTES
+    ),
+    "keras_hub.src.models.gemma3.gemma3_attention.CachedGemma3Attention": Entry(
+        options=_gemma3_options,
+        call=_gemma3_call,
+        weights=_gemma3_weights,
+        notes=NOTES
+        + ("the `(keys, values)` cache pair is stacked into ours for each call",),
+    ),
+}
