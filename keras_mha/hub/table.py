@@ -10,7 +10,7 @@ packages that are not moved, each with the reason (tests/test_hub.py's guard).
 
 import importlib
 
-FAMILIES = ("llama", "gemma")
+FAMILIES = ("llama", "gemma", "gpt_oss")
 
 ADAPTERS = {}
 OUT_OF_SCOPE = {}
