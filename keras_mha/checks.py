@@ -450,7 +450,9 @@ def cache_update_mask(mask_value, cache_update_index, query_shape):
     expected = tuple(query_shape[:2])
     if len(shape) != 2 or any(dims_differ(a, b) for a, b in zip(shape, expected)):
         raise invalid(
-            "cache_update_mask", f"a mask of shape {shape_str(expected)}", f"shape {shape_str(shape)}"
+            "cache_update_mask",
+            f"a mask of shape {shape_str(expected)}",
+            f"shape {shape_str(shape)}",
         )
 
 

@@ -259,9 +259,7 @@ def test_enable_lora_gives_the_same_trainable_weights(pair):
         lm.backbone.enable_lora(2)
         # Sizes, not shapes: Gemma's (N, dim, H) kernels are ours transposed (dim, N, H),
         # and so is the adapter keras's `enable_lora` gives each (the entry's notes).
-        names.append(
-            sorted((w.name, int(np.prod(w.shape))) for w in lm.backbone.trainable_weights)
-        )
+        names.append(sorted((w.name, int(np.prod(w.shape))) for w in lm.backbone.trainable_weights))
     assert names[1] == names[0]
     assert any("lora_kernel" in n for n, _ in names[0])
     inputs = _inputs()

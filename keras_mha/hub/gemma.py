@@ -131,7 +131,6 @@ ADAPTERS = {
         options=_gemma3_options,
         call=_gemma3_call,
         weights=_gemma3_weights,
-        notes=NOTES
-        + ("the `(keys, values)` cache pair is stacked into ours for each call",),
+        notes=NOTES + ("the `(keys, values)` cache pair is stacked into ours for each call",),
     ),
 }
