@@ -1,4 +1,5 @@
-"""Gemma 1 and 2 (`CachedGemmaAttention`), Gemma 3 (`CachedGemma3Attention`).
+"""Gemma 1 and 2 (`CachedGemmaAttention`), Gemma 3 (`CachedGemma3Attention`); Gemma 3n
+and Gemma 4, and the vision and audio towers of the multimodal Gemmas, out of scope.
 
 Gemma's query, key and value kernels are `(N, dim, H)` (`"btd,ndh->btnh"`); ours are
 `(dim, N, H)`: they are transposed when ported. Gemma's RoPE interleaves the rotated
@@ -132,5 +133,53 @@ ADAPTERS = {
         call=_gemma3_call,
         weights=_gemma3_weights,
         notes=NOTES + ("the `(keys, values)` cache pair is stacked into ours for each call",),
+    ),
+}
+
+
+_MODELS = "keras_hub.src.models."
+OUT_OF_SCOPE = {
+    # Language models not moved yet.
+    _MODELS + "gemma3n.gemma3n_attention.Gemma3nTextAttention": (
+        "not moved yet: its KV-shared layers attend over another layer's keys and values "
+        "(a `(B, 2, Nkv, S, H)` head-major cache, also built on the uncached training path "
+        "and returned as a third output beside the attention weights) without computing "
+        "their own; our layer has no input for another layer's keys and values (a read-only "
+        "cache at `cache_update_index`, expressible only as `cache_update_mask` all false)"
+    ),
+    _MODELS + "gemma4.gemma4_attention.Gemma4TextAttention": (
+        "not moved yet: `attention_k_eq_v` global layers take the values from the key "
+        "projection (one kernel, normed without RoPE) and our layer has no tied key/value "
+        "projection; KV-shared layers read a `shared_kv` argument (another layer's keys and "
+        "values) while returning their own cache slot unchanged, which our layer has no "
+        "input for"
+    ),
+    # Towers of multimodal models: not language-model attention.
+    _MODELS + "gemma3.gemma3_vision_encoder.Gemma3VisionAttention": (
+        "the SigLIP vision tower of a multimodal Gemma 3 (CLIP-style attention over image "
+        "patches, Dense (dim, dim) projections with biases, no cache): not a language "
+        "model's attention; keras-hub's own images-in path is left as it is"
+    ),
+    _MODELS + "gemma3n.gemma3n_attention.Gemma3nAudioAttention": (
+        "the audio tower of Gemma 3n: chunked local attention (query blocks against a "
+        "left/right context of keys), relative-position logits and a learned softplus "
+        "per-dimension query scale, none of which our layer has"
+    ),
+    _MODELS + "gemma3n.gemma3n_audio_layers.Gemma3nAudioConformerAttention": (
+        "the audio tower of Gemma 3n: a Conformer block's pre/post-norm, projection and "
+        "residual around Gemma3nAudioAttention (out of scope), not an attention of its own"
+    ),
+    _MODELS + "gemma4.gemma4_attention.Gemma4VisionAttention": (
+        "the vision tower of Gemma 4: 2-D RoPE over (x, y) patch ids (each half of a head "
+        "rotated by one axis), which our `positions` (one stream, or M-RoPE's interleaved "
+        "sections) does not express, and padded patch queries kept un-zeroed on purpose"
+    ),
+    _MODELS + "gemma4.gemma4_audio_encoder.Gemma4AudioAttention": (
+        "the audio tower of Gemma 4: chunk-based local attention (query blocks against "
+        "past/future horizons) with relative-position sinusoidal biases"
+    ),
+    _MODELS + "gemma4.gemma4_audio_encoder.Gemma4AudioConformerAttention": (
+        "the audio tower of Gemma 4: a Conformer block's norms, projection and residual "
+        "around Gemma4AudioAttention (out of scope), not an attention of its own"
     ),
 }
