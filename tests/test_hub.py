@@ -69,8 +69,10 @@ def _gemma():
 
 
 def _gemma2():
-    """Gemma 2: the logits scaled by `1 / sqrt(hidden_dim // heads)` (not the head's
-    size), soft-capped, a window of 3 on the first of two layers."""
+    """Gemma 2: post-norms, soft-capped logits, a window of 3 on the first of two
+    layers. (keras-hub 0.32's decoder block gives its attention
+    `query_head_dim_normalize=True` whatever the backbone's value:
+    `test_gemma_attention_scale_from_the_model_width` checks the other scale.)"""
     backbone = models.GemmaBackbone(
         vocabulary_size=VOCAB,
         num_layers=2,
@@ -280,6 +282,40 @@ def test_int8_quantized_gives_the_same_logits(pair):
     expected = _logits(model, inputs)
     assert np.abs(expected - full).max() > 1e-4  # quantized for real
     np.testing.assert_allclose(_logits(swapped, inputs), expected, atol=ATOL, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- single layers
+def test_gemma_attention_scale_from_the_model_width():
+    """`CachedGemmaAttention(query_head_dim_normalize=False)` scales the logits by
+    `1 / sqrt(dim // heads)` (Gemma 2's `query_pre_attn_scalar`), not by the head's
+    size: the moved layer gives the same outputs, with a cache too."""
+    from keras_hub.src.models.gemma.gemma_attention import CachedGemmaAttention
+
+    config = dict(
+        head_dim=8,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        query_head_dim_normalize=False,
+        logit_soft_cap=2.0,
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, LENGTH, 16)).astype("float32")
+    mask = np.tril(np.ones((LENGTH, LENGTH), "int32"))[None].repeat(BATCH, axis=0)
+    theirs = CachedGemmaAttention(**config)
+    theirs.build(x.shape)
+    for weight in theirs.weights:
+        weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+    with keras_mha.swapped():
+        ours = CachedGemmaAttention(**config)
+    assert isinstance(ours, hub.HubAttention)
+    ours.build(x.shape)
+    ours.port(theirs)
+    assert ours.attention._inverse_sqrt_key_dim == pytest.approx(0.5)  # 1 / sqrt(16 // 4)
+    expected = to_numpy(theirs(x, attention_mask=mask))
+    np.testing.assert_allclose(to_numpy(ours(x, attention_mask=mask)), expected, atol=ATOL)
+    cache = np.zeros((BATCH, 2, LENGTH, 2, 8), "float32")
+    outputs = [to_numpy(layer(x, mask, cache, cache_update_index=0)[0]) for layer in (ours, theirs)]
+    np.testing.assert_allclose(outputs[0], outputs[1], atol=ATOL)
 
 
 # --------------------------------------------------------------------------- guard

@@ -14,7 +14,8 @@ OUT_OF_SCOPE = {
         "with `[hidden_states, encoder_hidden_states]` for cross-attention and an "
         "encoder-keys cache written once; our layer expresses each (RoPE only on "
         "self-attention, `query_pre_attn_scalar ** -0.5` as `scale`), but the entry and a "
-        "Seq2SeqLM case in tests/test_hub.py (encoder inputs, generate()) are not written"
+        "Seq2SeqLM case in tests/test_hub.py (encoder inputs, generate()) wait for the seq2seq "
+        "handling the T5 entry adds to that harness"
     ),
     _MODELS + "t5gemma2.t5gemma2_attention.T5Gemma2Attention": (
         "not moved yet: T5Gemma 2's encoder attention (Gemma 3's with QK-norm x*(1+w)); "
