@@ -318,6 +318,39 @@ def test_gemma_attention_scale_from_the_model_width():
     np.testing.assert_allclose(outputs[0], outputs[1], atol=ATOL)
 
 
+@pytest.mark.parametrize("size", [4, 5])
+def test_gemma3_bidirectional_window(size):
+    """EmbeddingGemma's `CachedGemma3Attention(use_bidirectional_attention=True)`: a
+    window of `size - size // 2 - 1` keys before the query and `size // 2` after, our
+    `(left, right)` pair; the moved layer gives the same outputs on padded rows."""
+    from keras_hub.src.models.gemma3.gemma3_attention import CachedGemma3Attention
+
+    config = dict(
+        head_dim=4,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        use_query_key_norm=True,
+        use_sliding_window_attention=True,
+        sliding_window_size=size,
+        use_bidirectional_attention=True,
+    )
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(BATCH, LENGTH, 16)).astype("float32")
+    padding = _inputs()["padding_mask"]
+    mask = padding[:, :, None] * padding[:, None, :]
+    theirs = CachedGemma3Attention(**config)
+    theirs.build(x.shape)
+    for weight in theirs.weights:
+        weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+    with keras_mha.swapped():
+        ours = CachedGemma3Attention(**config)
+    ours.build(x.shape)
+    ours.port(theirs)
+    assert ours.attention._sliding_window == (size - size // 2 - 1, size // 2)
+    expected = to_numpy(theirs(x, attention_mask=mask))
+    np.testing.assert_allclose(to_numpy(ours(x, attention_mask=mask)), expected, atol=ATOL)
+
+
 # --------------------------------------------------------------------------- guard
 def _language_model_packages():
     """keras-hub's model packages that define a language-model task."""
