@@ -95,8 +95,11 @@ def as_index(index):
     return ops.cast(index, "int32")
 
 
-def update(cache, key, value, index):
+def update(cache, key, value, index, update_mask=None):
     """Writes `key`, `value` `(B, T, Nkv, H)` at positions `index ... index + T - 1`.
+
+    With `update_mask` (`(B, T)`, true: write), a position whose flag is false keeps
+    what the cache holds there (Gemma 3's `cache_update_mask`).
 
     Returns the updated cache; the input tensor is not modified.
     """
@@ -106,6 +109,10 @@ def update(cache, key, value, index):
         start = [0, 0, index, 0, 0]
     else:  # One int32 vector: every backend's dynamic update takes it, traced or not.
         start = ops.convert_to_tensor([0, 0, 1, 0, 0], dtype="int32") * index
+    if update_mask is not None:
+        current = ops.slice(cache, start, ops.shape(update))
+        write = ops.cast(update_mask, "bool")[:, None, :, None, None]
+        update = ops.where(write, update, current)
     return ops.slice_update(cache, start, update)
 
 

@@ -434,6 +434,28 @@ def _mask_dtype(name, mask_value):
         raise invalid(name, "a boolean (or 0/1 numeric) mask", f"dtype {dtype}")
 
 
+def cache_update_mask(mask_value, cache_update_index, query_shape):
+    """`(B, T)` (bool or 0/1) flags of the new cache entries, only with a
+    `cache_update_index` (hence a cache)."""
+    if mask_value is None:
+        return
+    if cache_update_index is None:
+        raise invalid(
+            "cache_update_mask",
+            "`None` unless a `cache` and a `cache_update_index` are given",
+            f"shape {shape_str(_shape(mask_value))}",
+        )
+    _mask_dtype("cache_update_mask", mask_value)
+    shape = _shape(mask_value)
+    expected = tuple(query_shape[:2])
+    if len(shape) != 2 or any(dims_differ(a, b) for a, b in zip(shape, expected)):
+        raise invalid(
+            "cache_update_mask",
+            f"a mask of shape {shape_str(expected)}",
+            f"shape {shape_str(shape)}",
+        )
+
+
 def mask(name, mask_value, expected_shape):
     """A padding mask must be bool/int/float and broadcast to `expected_shape`."""
     if mask_value is None:

@@ -666,6 +666,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         segment_ids=None,
         key_segment_ids=None,
         positions=None,
+        cache_update_mask=None,
     ):
         if key is None:
             key = value
@@ -678,6 +679,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         value, key = (self._broadcast_free_axes(query, x) for x in (value, key))
         need_scores = self._wants_scores(return_attention_scores)
         cache_update_index = self._check_cache(query, cache, cache_update_index)
+        checks.cache_update_mask(cache_update_mask, cache_update_index, tuple(query.shape))
         self._check_call(
             query,
             value,
@@ -711,7 +713,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             projected_key = self._rotate(projected_key, start, positions)
         if cache is not None:
             if cache_update_index is not None:
-                cache = cache_lib.update(cache, projected_key, projected_value, cache_update_index)
+                cache = cache_lib.update(
+                    cache, projected_key, projected_value, cache_update_index, cache_update_mask
+                )
             projected_key, projected_value = cache_lib.split(cache)
         projected_key, projected_value = self._repeat_key_value_heads(
             projected_key, projected_value
@@ -1094,6 +1098,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         segment_ids=None,
         key_segment_ids=None,
         positions=None,
+        cache_update_mask=None,
     ):
         key_shape = None if key is None else key.shape
         output = keras.KerasTensor(

@@ -287,3 +287,68 @@ def test_cache_update_writes_only_the_new_positions(rng):
         np.testing.assert_array_equal(updated[:, 0, 2:4], key)
         np.testing.assert_array_equal(updated[:, 1, 2:4], value)
         assert not np.any(updated[:, :, :2]) and not np.any(updated[:, :, 4:])
+
+
+def test_cache_update_mask_keeps_what_the_cache_holds(rng):
+    cache = rng.normal(size=(2, 2, 5, 1, 2)).astype("float32")
+    key = rng.normal(size=(2, 2, 1, 2)).astype("float32")
+    value = rng.normal(size=(2, 2, 1, 2)).astype("float32")
+    write = np.array([[True, False], [False, True]])
+    for index in (2, ops.convert_to_tensor(2, dtype="int32")):
+        updated = ops.convert_to_numpy(cache_lib.update(cache, key, value, index, write))
+        for b in range(2):
+            for t in range(2):
+                expected = (key, value) if write[b, t] else (cache[:, 0, 2:4], cache[:, 1, 2:4])
+                np.testing.assert_array_equal(updated[b, 0, 2 + t], expected[0][b, t])
+                np.testing.assert_array_equal(updated[b, 1, 2 + t], expected[1][b, t])
+        np.testing.assert_array_equal(updated[:, :, :2], cache[:, :, :2])
+        np.testing.assert_array_equal(updated[:, :, 4:], cache[:, :, 4:])
+
+
+@pytest.mark.parametrize("kind", ["int", "tensor"])
+def test_decoding_with_a_cache_update_mask_attends_to_the_kept_entries(rng, kind):
+    """A decoding step whose flags are false at some positions attends to what the
+    cache held there: the same as feeding, at those positions, the tokens that were
+    prefilled (keys and values of the same token at the same position)."""
+    layer = _layer(rope_max_wavelength=10.0)
+    first = rng.normal(size=(B, L, D)).astype("float32")
+    second = rng.normal(size=(B, 2, D)).astype("float32")
+    _, cache = layer(first, first, cache=layer.init_cache(B, L), cache_update_index=0)
+    write = np.array([[False, True], [True, True]])
+    output, updated = layer(
+        second,
+        second,
+        cache=cache,
+        cache_update_index=_index(2, kind),
+        use_causal_mask=True,
+        cache_update_mask=write,
+    )
+    mixed = np.where(write[..., None], second, first[:, 2:4])
+    expected, expected_cache = layer(
+        mixed, mixed, cache=cache, cache_update_index=_index(2, kind), use_causal_mask=True
+    )
+    np.testing.assert_allclose(
+        ops.convert_to_numpy(updated), ops.convert_to_numpy(expected_cache), atol=1e-6
+    )
+    output, expected = ops.convert_to_numpy(output), ops.convert_to_numpy(expected)
+    np.testing.assert_allclose(output[write], expected[write], atol=1e-5)
+    unmasked, _ = layer(
+        second, second, cache=cache, cache_update_index=_index(2, kind), use_causal_mask=True
+    )
+    assert np.abs(ops.convert_to_numpy(unmasked)[0, 1] - output[0, 1]).max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "cache,mask",
+    [
+        pytest.param(None, np.ones((B, 2), bool), id="without_cache"),
+        pytest.param(_GOOD_CACHE, np.ones((B, 3), bool), id="length"),
+        pytest.param(_GOOD_CACHE, np.ones((B, 2, 1), bool), id="rank"),
+    ],
+)
+def test_invalid_cache_update_mask(rng, cache, mask):
+    layer = _layer()
+    x = rng.normal(size=(B, 2, D)).astype("float32")
+    index = None if cache is None else 0
+    with pytest.raises(ValueError, match="argument `cache_update_mask`"):
+        layer(x, x, cache=cache, cache_update_index=index, cache_update_mask=mask)

@@ -48,6 +48,7 @@ class Case:
       keras-hub's cached `generate()` fails, and `generate_fails_because`, why: the
       test checks that it still does, and compares the swapped model's ids with
       greedy decoding by whole forward passes of the original.
+    - `generate_kwargs`: added to `generate()`'s arguments.
     """
 
     build: callable
@@ -55,6 +56,7 @@ class Case:
     lora_shapes_differ: str = None
     generate_fails_on: dict = dataclasses.field(default_factory=dict)
     generate_fails_because: str = None
+    generate_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 # Shared by the decoders below: 1 layer, hidden 16, 4 query heads over 2 key/value heads.
@@ -205,6 +207,89 @@ _SMOLLM3_LORA = dict(
     "`(dim, N, r) x (r, H)`.",
 )
 
+
+def _gemma():
+    backbone = models.GemmaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=8,
+        head_dim=4,
+    )
+    return models.GemmaCausalLM(backbone, preprocessor=None)
+
+
+def _gemma2():
+    """Gemma 2: post-norms, soft-capped logits, a window of 3 on the first of two
+    layers. (keras-hub 0.32's decoder block gives its attention
+    `query_head_dim_normalize=True` whatever the backbone's value:
+    `test_gemma_attention_scale_from_the_model_width` checks the other scale.)"""
+    backbone = models.GemmaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=8,
+        head_dim=8,
+        query_head_dim_normalize=False,
+        use_post_ffw_norm=True,
+        use_post_attention_norm=True,
+        attention_logit_soft_cap=1.5,
+        final_logit_soft_cap=30.0,
+        use_sliding_window_attention=True,
+        sliding_window_size=3,
+    )
+    return models.GemmaCausalLM(backbone, preprocessor=None)
+
+
+def _gemma3():
+    """Gemma 3: QK-norm `x * (1 + w)`, five local layers (window 3, RoPE base 1e4)
+    then a global one (base 1e6, linear RoPE scaling 8)."""
+    backbone = models.Gemma3Backbone(
+        vocabulary_size=VOCAB,
+        image_size=16,
+        num_layers=6,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=8,
+        head_dim=4,
+        use_post_ffw_norm=True,
+        use_post_attention_norm=True,
+        use_sliding_window_attention=True,
+        sliding_window_size=3,
+        global_rope_scaling_factor=8.0,
+        vision_encoder=None,
+    )
+    return models.Gemma3CausalLM(backbone=backbone, preprocessor=None)
+
+
+def _gpt_oss():
+    """GPT-OSS: biases, sinks, YaRN RoPE (factor 4), a window of 2 keys before the
+    query on the second of two layers."""
+    backbone = models.GptOssBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=8,
+        num_experts=2,
+        top_k=1,
+        rope_scaling_factor=4.0,
+        sliding_window=2,
+    )
+    return models.GptOssCausalLM(backbone=backbone, preprocessor=None)
+
+
+_GEMMA_LORA = (
+    "Gemma's `(N, dim, H)` query and value kernels are ours transposed, `(dim, N, H)`, "
+    "and so are the LoRA factors keras gives each."
+)
+
 ZOO = {
     "llama": Case(_llama),
     "llama3": Case(_llama3),
@@ -226,6 +311,12 @@ ZOO = {
     "smollm3_nope": Case(_smollm3_nope, **_SMOLLM3_LORA),
     "phi3": Case(_phi3),
     "phi3_longrope": Case(_phi3_longrope),
+    "gemma": Case(_gemma, lora_shapes_differ=_GEMMA_LORA),
+    "gemma2": Case(_gemma2, lora_shapes_differ=_GEMMA_LORA),
+    # keras-hub 0.32's Gemma3CausalLM.generate without a preprocessor fails on its own
+    # output ("images": None) unless the prompt is stripped.
+    "gemma3": Case(_gemma3, lora_shapes_differ=_GEMMA_LORA, generate_kwargs={"strip_prompt": True}),
+    "gpt_oss": Case(_gpt_oss),
 }
 
 
@@ -312,7 +403,8 @@ def test_greedy_generate_gives_the_same_token_ids(pair):
                 lm.generate(inputs, stop_token_ids=None)
             results.append(_greedy_without_cache(lm, inputs, prompt=3))
             continue
-        results.append(to_numpy(lm.generate(inputs, stop_token_ids=None)["token_ids"]))
+        outputs = lm.generate(inputs, stop_token_ids=None, **ZOO[name].generate_kwargs)
+        results.append(to_numpy(outputs["token_ids"]))
     assert (results[0][:, 3:] != 0).any()  # it generated
     np.testing.assert_array_equal(results[1], results[0])
 
@@ -520,6 +612,73 @@ def test_smollm3_keras_hub_output_projections_share_one_path():
         swapped = keras_mha.swap(model)
     paths = [w.path for w in swapped.weights]
     assert len(set(paths)) == len(paths)
+
+
+# ------------------------------------------------------------------- single layers
+def test_gemma_attention_scale_from_the_model_width():
+    """`CachedGemmaAttention(query_head_dim_normalize=False)` scales the logits by
+    `1 / sqrt(dim // heads)` (Gemma 2's `query_pre_attn_scalar`), not by the head's
+    size: the moved layer gives the same outputs, with a cache too."""
+    from keras_hub.src.models.gemma.gemma_attention import CachedGemmaAttention
+
+    config = dict(
+        head_dim=8,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        query_head_dim_normalize=False,
+        logit_soft_cap=2.0,
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, LENGTH, 16)).astype("float32")
+    mask = np.tril(np.ones((LENGTH, LENGTH), "int32"))[None].repeat(BATCH, axis=0)
+    theirs = CachedGemmaAttention(**config)
+    theirs.build(x.shape)
+    for weight in theirs.weights:
+        weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+    with keras_mha.swapped():
+        ours = CachedGemmaAttention(**config)
+    assert isinstance(ours, hub.HubAttention)
+    ours.build(x.shape)
+    ours.port(theirs)
+    assert ours.attention._inverse_sqrt_key_dim == pytest.approx(0.5)  # 1 / sqrt(16 // 4)
+    expected = to_numpy(theirs(x, attention_mask=mask))
+    np.testing.assert_allclose(to_numpy(ours(x, attention_mask=mask)), expected, atol=ATOL)
+    cache = np.zeros((BATCH, 2, LENGTH, 2, 8), "float32")
+    outputs = [to_numpy(layer(x, mask, cache, cache_update_index=0)[0]) for layer in (ours, theirs)]
+    np.testing.assert_allclose(outputs[0], outputs[1], atol=ATOL)
+
+
+@pytest.mark.parametrize("size", [4, 5])
+def test_gemma3_bidirectional_window(size):
+    """EmbeddingGemma's `CachedGemma3Attention(use_bidirectional_attention=True)`: a
+    window of `size - size // 2 - 1` keys before the query and `size // 2` after, our
+    `(left, right)` pair; the moved layer gives the same outputs on padded rows."""
+    from keras_hub.src.models.gemma3.gemma3_attention import CachedGemma3Attention
+
+    config = dict(
+        head_dim=4,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        use_query_key_norm=True,
+        use_sliding_window_attention=True,
+        sliding_window_size=size,
+        use_bidirectional_attention=True,
+    )
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(BATCH, LENGTH, 16)).astype("float32")
+    padding = _inputs()["padding_mask"]
+    mask = padding[:, :, None] * padding[:, None, :]
+    theirs = CachedGemma3Attention(**config)
+    theirs.build(x.shape)
+    for weight in theirs.weights:
+        weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+    with keras_mha.swapped():
+        ours = CachedGemma3Attention(**config)
+    ours.build(x.shape)
+    ours.port(theirs)
+    assert ours.attention._sliding_window == (size - size // 2 - 1, size // 2)
+    expected = to_numpy(theirs(x, attention_mask=mask))
+    np.testing.assert_allclose(to_numpy(ours(x, attention_mask=mask)), expected, atol=ATOL)
 
 
 # --------------------------------------------------------------------------- guard

@@ -145,13 +145,19 @@ class HubAttention(keras.layers.Layer):
 def adapter_class(hub_cls):
     """`HubAttention` with `hub_cls.call`'s signature: Keras binds a layer's call
     arguments by its `call` signature (tensors and flags apart, `training` filled in),
-    so each keras-hub class gets its own."""
+    so each keras-hub class gets its own; and `hub_cls.compute_output_shape` where it
+    has one of its own."""
 
     def call(self, *args, **kwargs):
         return self.entry.call(self.attention, *args, **kwargs)
 
     call.__signature__ = inspect.signature(hub_cls.call)
-    return type(f"HubAttention[{hub_cls.__name__}]", (HubAttention,), {"call": call})
+    methods = {"call": call}
+    # A decoder block may ask its attention for its output shape (Gemma 2's post-norm).
+    shape = getattr(hub_cls, "compute_output_shape", None)
+    if shape is not None and shape is not keras.layers.Layer.compute_output_shape:
+        methods["compute_output_shape"] = shape
+    return type(f"HubAttention[{hub_cls.__name__}]", (HubAttention,), methods)
 
 
 def constructor_arguments(cls, args, kwargs):

@@ -10,7 +10,7 @@ packages that are not moved, each with the reason (tests/test_hub.py's guard).
 
 import importlib
 
-FAMILIES = ("llama", "mistral", "qwen", "smollm3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen", "smollm3", "phi3", "gemma", "gpt_oss", "t5gemma")
 
 ADAPTERS = {}
 OUT_OF_SCOPE = {}
