@@ -72,7 +72,7 @@ class BuiltinHooks:
         return projections.Projection(
             equation,
             output_shape=equations.projection_output_shape(output_rank, output_dims),
-            bias_axes=bias_axes if self._use_bias else None,
+            bias_axes=bias_axes if self._output_bias else None,
             name=name,
             **common_kwargs,
         )
@@ -155,7 +155,8 @@ class BuiltinHooks:
         return masks_lib.causal_mask(ops.shape(query)[1], key_length, offset)
 
     def _compute_sliding_window_mask(self, query, value=None):
-        """`(1, T, S)` band: query `t` sees keys `s` with `|t - s| < sliding_window`."""
+        """`(1, T, S)` band: query `t` sees keys `s` with `|t - s| < sliding_window`
+        (or, for a `(left, right)` pair, `t - left <= s <= t + right`)."""
         key_length = ops.shape(query if value is None else value)[1]
         return masks_lib.sliding_window_mask(ops.shape(query)[1], key_length, self._sliding_window)
 
@@ -197,7 +198,9 @@ class BuiltinHooks:
         query = ops.multiply(query, ops.cast(self._inverse_sqrt_key_dim, query.dtype))
         scores = ops.einsum(self._dot_product_equation, key, query)
         scores = self._masked_softmax(scores, attention_mask)
-        weights = self._dropout_layer(scores, training=training) if self._dropout else scores
+        weights = scores
+        if self._drops_weights:
+            weights = self._dropout_layer(scores, training=training)
         output = ops.einsum(self._combine_equation, weights, value)
         return output, (scores if return_attention_scores else None)
 

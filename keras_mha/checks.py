@@ -116,6 +116,28 @@ def one_of(name, value, choices):
     return value
 
 
+def sliding_window(value):
+    """`None`, a positive int `w` (`|t - s| < w`), or a pair `(left, right)` of
+    non-negative ints (`t - left <= s <= t + right`), given as a tuple or list ->
+    an int or a tuple."""
+    if value is None:
+        return None
+    if _is_int(value) and value > 0:
+        return int(value)
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(_is_int(side) and side >= 0 for side in value)
+    ):
+        return (int(value[0]), int(value[1]))
+    raise invalid(
+        "sliding_window",
+        "`None`, a positive integer, or a pair `(left, right)` of non-negative integers",
+        value,
+        keras_wording=KERAS_SLIDING_WINDOW,
+    )
+
+
 def output_shape(value):
     """`None`, a positive int, or a non-empty tuple/list of positive ints -> tuple."""
     if value is None:

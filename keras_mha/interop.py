@@ -92,6 +92,8 @@ def to_torch(layer):
         ValueError: naming what torch's module cannot express (an unbuilt layer,
             N-d attention, `value_dim != key_dim`, another `output_shape`,
             `use_gate`, `num_key_value_heads`, `normalize_qk`, `sliding_window`,
+            `scale`, `use_output_bias` unlike `use_bias`, `normalize_value`,
+            `dropout_on="output"` with dropout,
             `num_heads * key_dim != E`).
     """
     import torch
@@ -123,6 +125,20 @@ def to_torch(layer):
     )
     _require(not layer._normalize_qk, "normalize_qk", "False", layer._normalize_qk)
     _require(layer._sliding_window is None, "sliding_window", "`None`", layer._sliding_window)
+    _require(layer._scale is None, "scale", "`None`", layer._scale)
+    _require(
+        layer._output_bias == layer.use_bias,
+        "use_output_bias",
+        f"`None` or use_bias={layer.use_bias}",
+        layer._use_output_bias,
+    )
+    _require(not layer._normalize_value, "normalize_value", "False", layer._normalize_value)
+    _require(
+        layer._dropout_on == "weights" or not layer.dropout,
+        "dropout_on",
+        '"weights" (torch\'s module drops the weights)',
+        layer._dropout_on,
+    )
     _require(
         layer.num_heads * layer.key_dim == embed_dim,
         "key_dim",

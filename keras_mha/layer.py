@@ -21,6 +21,8 @@ from keras_mha import sinks as sinks_lib
 
 # What a query row with no visible key gets: see the `fully_masked_rows` argument.
 FULLY_MASKED_ROWS = ("zero", "builtin")
+# Where attention dropout applies: see the `dropout_on` argument.
+DROPOUT_ON = ("weights", "output")
 _MASK_ARGUMENTS = ("query_mask", "value_mask", "key_mask", "attention_mask")
 # Packed rows: integer per-position arguments, given as lists too.
 _ID_ARGUMENTS = ("segment_ids", "key_segment_ids", "positions")
@@ -38,11 +40,12 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         Q_i = query @ Wq_i + bq_i            (B, T, d)
         K_i = key   @ Wk_i + bk_i            (B, S, d)
         V_i = value @ Wv_i + bv_i            (B, S, value_dim)
-        A_i = softmax(Q_i K_i^T / sqrt(d), masked)          (B, T, S)
+        A_i = softmax(Q_i K_i^T * scale, masked)           (B, T, S)
         output = sum_i (A_i V_i) @ Wo_i + bo                (B, T, out)
 
-    With the options of recent models on (all off by default): Q_i and K_i
-    RMS-normalised (`normalize_qk`) then rotated by position (`rope_max_wavelength`);
+    `scale` is `1 / sqrt(d)` unless given. With the options of recent models on (all
+    off by default): Q_i and K_i RMS-normalised (`normalize_qk`), V_i too
+    (`normalize_value`), then Q_i and K_i rotated by position (`rope_max_wavelength`);
     the logits soft-capped (`logit_soft_cap`), then `attention_bias` added, then
     masked; sink logits in the softmax's denominator (`use_sinks`).
 
@@ -80,15 +83,27 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         num_heads: Number of attention heads `N`.
         key_dim: Size `H` of each head for query and key (per head, not in total).
         value_dim: Size of each head for value; `None` means `key_dim`.
-        dropout: Dropout rate on the attention weights, in [0, 1).
-        use_bias: Whether the projections have biases.
+        dropout: Dropout rate, in [0, 1): on the attention weights, or on the
+            attention output with `dropout_on="output"`.
+        use_bias: Whether the projections have biases (the output projection's:
+            see `use_output_bias`).
         output_shape: Trailing output shape, an int or a tuple; `None` projects back
             to the query's last dimension.
         attention_axes: Axes attention runs over (an int or a tuple); `None` means
             every axis between batch and features. Negative axes count from the end
             of the input, whose last axis is features.
-        sliding_window: `None` or a positive int `w`: query `t` attends only to keys
-            `s` with `|t - s| < w`. Combine with `use_causal_mask` for a causal window.
+        sliding_window: `None`, a positive int `w`, or a pair `(left, right)` of
+            non-negative ints. An int (the built-in's meaning): query `t` attends
+            only to keys `s` with `|t - s| < w`; with `use_causal_mask`, to
+            `t - w < s <= t`, the `w` latest keys including its own. A pair (an
+            asymmetric window, FlashAttention's `window_size` convention): keys
+            `t - left <= s <= t + right`, `left` keys before its own and `right`
+            after; `w` is `(w - 1, w - 1)`. Models state windows two ways: as
+            `t - s < W` (keras-hub's Gemma 1-4, Qwen and Mistral masks, Keras's
+            built-in): pass `W`; as `t - s <= W`, `W` keys before the query plus
+            its own (keras-hub's GPT-OSS): pass `W + 1`. EmbeddingGemma's bidirectional window of size `W` is
+            `(W - W // 2 - 1, W // 2)`. With a cache, `t` is the query's position
+            `cache_update_index + t`, so decoding keeps the same window.
         flash_attention: `None` (the Keras default), `True` or `False`; passed to the
             backend's fused kernel when that kernel runs.
         kernel_initializer: Initializer of the projections' kernels.
@@ -148,6 +163,36 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             built-in, so mask-aware layers that read those tensors afterwards (a
             residual add, pooling, recurrent layers, the loss) see what they see
             with the built-in.
+        scale: `None` or a positive float: the logits are `(Q_i * scale) K_i^T`;
+            `None` means `1 / sqrt(key_dim)`. Gemma 2, 3, 3n and 4 and T5Gemma use
+            `query_pre_attn_scalar ** -0.5` (keras-hub: `1 / sqrt(hidden_dim //
+            num_heads)` where `query_head_dim_normalize=False`), Gemma 3n and 4
+            and T5 use 1.0. Every kernel takes it (the fused ones as their `scale`).
+        use_output_bias: `None` (the default: `use_bias`) or a bool: whether the
+            output projection has a bias. `use_bias=True, use_output_bias=False` is
+            Qwen 2/2.5, Qwen-MoE and SmolLM3's attention (biases on the query, key
+            and value projections only): 7 weights, the built-in's order without
+            `attention_output/bias`.
+        norm_epsilon: Added to the mean square in the layer's RMS norms
+            (`normalize_qk`, `normalize_value`); 1e-6 by default. Qwen3 and Gemma 3
+            pass their `layer_norm_epsilon`.
+        norm_unit_offset: With `normalize_qk`: the norms' learned scales are
+            offsets from 1, `x_hat * (1 + w)` with `w` initialised to zeros, the
+            parametrisation of Gemma 3, Qwen3.5 and T5Gemma 2 (whose checkpoints
+            hold `w`); by default `x_hat * w` with `w` initialised to ones (Qwen3,
+            Gemma 4). The norms compute in float32 inside, as keras-hub's do.
+        normalize_value: RMS-normalise the projected values over `value_dim`, with
+            no learned scale (so no weight), before the cache is written: the value
+            norm of Gemma 3n and Gemma 4.
+        dropout_on: Where `dropout` applies: "weights" (the default, the
+            built-in's: the attention weights after the softmax; the mask is a hash
+            of the seed and each weight's position, the same on every kernel and
+            backend for the same seed) or "output": the attention output
+            `(B, T, N, value_dim)`, just before the output projection, as keras-hub's
+            Llama, Mistral, Qwen, Phi-3 and GPT-OSS attention drop it (a
+            `keras.layers.Dropout` drawing from the layer's `seed`: the same masks
+            for the same seed on one backend, other masks on another). With
+            "output", training calls keep the fused kernel.
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -252,6 +297,12 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         rope_scaling_factor=1.0,
         fully_masked_rows="zero",
         keep_input_masks=False,
+        scale=None,
+        use_output_bias=None,
+        norm_epsilon=1e-6,
+        norm_unit_offset=False,
+        normalize_value=False,
+        dropout_on="weights",
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -283,12 +334,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         use_bias = checks.flag("use_bias", use_bias)
         output_shape = checks.output_shape(output_shape)
         attention_axes = checks.attention_axes(attention_axes)
-        sliding_window = checks.positive_int(
-            "sliding_window",
-            sliding_window,
-            allow_none=True,
-            keras_wording=checks.KERAS_SLIDING_WINDOW,
-        )
+        sliding_window = checks.sliding_window(sliding_window)
         flash_attention = checks.flag("flash_attention", flash_attention, allow_none=True)
         use_gate = checks.flag("use_gate", use_gate)
         seed = checks.integer("seed", seed, allow_none=True)
@@ -298,6 +344,12 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         checks.one_of("implementation", implementation, (None,) + kernels.IMPLEMENTATIONS)
         chunk_size = checks.positive_int("chunk_size", chunk_size, allow_none=True)
         checks.one_of("fully_masked_rows", fully_masked_rows, FULLY_MASKED_ROWS)
+        scale = checks.positive_number("scale", scale, allow_none=True)
+        use_output_bias = checks.flag("use_output_bias", use_output_bias, allow_none=True)
+        norm_epsilon = checks.positive_number("norm_epsilon", norm_epsilon)
+        norm_unit_offset = checks.flag("norm_unit_offset", norm_unit_offset)
+        normalize_value = checks.flag("normalize_value", normalize_value)
+        checks.one_of("dropout_on", dropout_on, DROPOUT_ON)
         super().__init__(**kwargs)
         self.supports_masking = True
         self._num_heads = num_heads
@@ -329,7 +381,16 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         self._rope_scaling_factor = rope_scaling_factor
         self._fully_masked_rows = fully_masked_rows
         self._keep_input_masks = keep_input_masks
-        self._inverse_sqrt_key_dim = 1.0 / math.sqrt(float(self._key_dim))
+        self._scale = scale
+        # The built-in's attribute, read by its explicit path and by subclasses written
+        # for it: the logits' scale, `scale` where one is given.
+        self._inverse_sqrt_key_dim = 1.0 / math.sqrt(float(key_dim)) if scale is None else scale
+        self._use_output_bias = use_output_bias
+        self._output_bias = use_bias if use_output_bias is None else use_output_bias
+        self._norm_epsilon = norm_epsilon
+        self._norm_unit_offset = norm_unit_offset
+        self._normalize_value = normalize_value
+        self._dropout_on = dropout_on
 
     # ------------------------------------------------------------------ properties
     @property
@@ -419,6 +480,12 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             # Quantized projections are rebuilt quantized (see `policy_for_config`).
             "dtype": keras.dtype_policies.serialize(projections.policy_for_config(self)),
             "keep_input_masks": self._keep_input_masks,
+            "scale": self._scale,
+            "use_output_bias": self._use_output_bias,
+            "norm_epsilon": self._norm_epsilon,
+            "norm_unit_offset": self._norm_unit_offset,
+            "normalize_value": self._normalize_value,
+            "dropout_on": self._dropout_on,
         }
         return {**super().get_config(), **config}
 
@@ -467,15 +534,28 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         self._output_dense.build(tuple(query_shape[:-1]) + (self._num_heads, self._value_dim))
         if self._normalize_qk:
             # Created last, so the first weights stay those of the built-in layer.
-            self._query_norm = norms.RMSNorm(name="query_norm", dtype=self.dtype_policy)
-            self._query_norm.build((None, self._key_dim))
-            self._key_norm = norms.RMSNorm(name="key_norm", dtype=self.dtype_policy)
-            self._key_norm.build((None, self._key_dim))
+            self._query_norm = self._norm("query_norm", self._key_dim)
+            self._key_norm = self._norm("key_norm", self._key_dim)
+        if self._normalize_value:
+            # No weight: the weights' list and order stay as they are.
+            self._value_norm = self._norm("value_norm", self._value_dim, use_scale=False)
         if self._use_sinks:
             # Created last, after QK-norm's scales: the earlier weights keep their order.
             self._sinks = sinks_lib.Sinks(self._num_heads, name="sinks", dtype=self.dtype_policy)
             self._sinks.build()
         self._built_shapes = (query_shape, value_shape, key_shape)
+
+    def _norm(self, name, size, use_scale=True):
+        """A built `norms.RMSNorm` over heads of `size` channels, the layer's kind."""
+        norm = norms.RMSNorm(
+            epsilon=self._norm_epsilon,
+            unit_offset=self._norm_unit_offset,
+            use_scale=use_scale,
+            name=name,
+            dtype=self.dtype_policy,
+        )
+        norm.build((None, size))
+        return norm
 
     def _projection(self, rank, heads, size, name, activation=None):
         equation, bias_axes, output_rank = equations.projection_equation(
@@ -561,6 +641,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         if self._normalize_qk:
             projected_query = self._query_norm(projected_query)
             projected_key = self._key_norm(projected_key)
+        if self._normalize_value:
+            projected_value = self._value_norm(projected_value)
         if self._rope_max_wavelength is not None:
             # Queries and the new keys sit at `cache_update_index + t` when decoding.
             start = 0 if cache_update_index is None else cache_update_index
@@ -602,6 +684,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         )
         if gate is not None:
             attention_output = ops.multiply(attention_output, gate)
+        if self._dropout_on == "output" and self._dropout > 0.0:
+            attention_output = self._dropout_layer(attention_output, training=training)
         output = self._output_dense(attention_output)
         if output_mask is not None:
             masks_lib.set_keras_mask(output, output_mask)
@@ -863,7 +947,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
                 causal = masks_lib.AttentionMask(causal=True)
                 mask = causal if mask is None else dataclasses.replace(mask, causal=True)
         seed = None
-        if self._dropout > 0.0 and training:
+        if self._drops_weights and training:
             seed = self._dropout_layer.seed_generator.next()
         output, scores = kernels.attention(
             query,
@@ -879,7 +963,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             bias=attention_bias,
             soft_cap=self._logit_soft_cap,
             sinks=self._sinks.sinks if self._use_sinks else None,
-            dropout=self._dropout,
+            dropout=self._dropout if self._drops_weights else 0.0,
             seed=seed,
             return_scores=return_attention_scores,
             implementation=self._implementation or ("fused" if self._flash_attention else None),
@@ -898,13 +982,18 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         axis; it has no sinks) and that gives the mean where `output` lives, with
         `fully_masked_rows="builtin"`; else "zero"."""
         builtin_fused_path = (
-            self._dropout == 0.0
+            not self._drops_weights
             and not return_attention_scores
             and len(self._attention_axes) == 1
             and not self._use_sinks
             and kernels.fused_gives_mean(output)
         )
         return "mean" if self._fully_masked_rows == "builtin" and builtin_fused_path else "zero"
+
+    @property
+    def _drops_weights(self):
+        """Whether attention dropout applies to the weights (`dropout_on="weights"`)."""
+        return self._dropout > 0.0 and self._dropout_on == "weights"
 
     # ---------------------------------------------------------------------- shapes
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):

@@ -35,7 +35,9 @@ class AttentionMask:
         causal: query `t` sees keys `s <= t + offset`.
         offset: position of query 0 among the keys (KV-cache decoding): a Python
             int, or an int32 scalar tensor.
-        window: `None` or `w`: query `t` sees keys with `|t + offset - s| < w`.
+        window: `None`; an int `w`: query `t` sees keys with `|t + offset - s| < w`;
+            or a pair `(left, right)`: keys with
+            `t + offset - left <= s <= t + offset + right` (`w` is `(w - 1, w - 1)`).
         dense: `None` or the user's boolean mask, rank 4, broadcastable to
             `(B, N, T, S)`. For N-d attention, the whole merged mask in the scores'
             layout (the explicit kernel is the only one that runs then).
@@ -49,7 +51,7 @@ class AttentionMask:
     key_valid: Any = None
     causal: bool = False
     offset: Any = 0
-    window: int | None = None
+    window: int | tuple | None = None
     dense: Any = None
     query_segments: Any = None
     key_segments: Any = None
@@ -65,6 +67,12 @@ class AttentionMask:
             and self.dense is None
             and self.query_segments is None
         )
+
+    @property
+    def window_sides(self):
+        """`(before, after)`: how many keys before and after its own position a query
+        may see by the window (the module's `window_sides`), or `None` without one."""
+        return window_sides(self.window)
 
     @property
     def static_offset(self):
@@ -87,8 +95,9 @@ class AttentionMask:
         if self.causal:
             hi = _minimum(hi, last + 1)
         if self.window is not None:
-            hi = _minimum(hi, last + self.window)
-            lo = _maximum(lo, query_start + offset - self.window + 1)
+            before, after = self.window_sides
+            hi = _minimum(hi, last + after + 1)
+            lo = _maximum(lo, query_start + offset - before)
         hi = _maximum(0, hi)
         if isinstance(lo, int) and lo == 0:  # hi >= 0
             return 0, hi
@@ -182,7 +191,7 @@ class AttentionMask:
             if self.causal:
                 parts.append(ops.greater_equal(rows, cols))
             if self.window is not None:
-                parts.append(ops.less(ops.abs(rows - cols), self.window))
+                parts.append(_in_window(rows - cols, self.window))
         if self.query_segments is not None:
             rows = slice_along(self.query_segments, 1, query_start, query_size)
             cols = slice_along(self.key_segments, 1, key_start, key_size)
@@ -213,8 +222,9 @@ class AttentionMask:
         if self.causal:
             hi = ops.minimum(hi, rows + 1)
         if self.window is not None:
-            hi = ops.minimum(hi, rows + self.window)
-            lo = ops.maximum(lo, rows - self.window + 1)
+            before, after = self.window_sides
+            hi = ops.minimum(hi, rows + after + 1)
+            lo = ops.maximum(lo, rows - before)
         lo, hi = (ops.clip(x, 0, key_length) for x in (lo, hi))
         if self.key_valid is None:
             count = (hi - lo)[None, :]
@@ -259,7 +269,8 @@ def describe(
         attention_mask: broadcastable to `(B, T, S)`, or with a heads axis to
             `(B, N, T, S)`.
         use_causal_mask: causal masking.
-        sliding_window: `None` or a positive int.
+        sliding_window: `None`, a positive int or a `(left, right)` pair (see
+            `AttentionMask.window`).
         offset: position of the first query among the keys; `None` means 0.
         segment_ids: `(B, T)` integer document ids of the queries (0 = padding), or
             `None`.
@@ -325,10 +336,31 @@ def causal_mask(query_length, key_length, offset=0):
 
 
 def sliding_window_mask(query_length, key_length, window, offset=0):
-    """`(1, T, S)` band: query `t` sees keys with `|t + offset - s| < window`."""
+    """`(1, T, S)` band: query `t` sees keys with `|t + offset - s| < window`, or with
+    `window` a pair `(left, right)`, keys `t + offset - left <= s <= t + offset + right`."""
     rows = ops.expand_dims(ops.arange(query_length, dtype="int32") + offset, -1)
     cols = ops.expand_dims(ops.arange(key_length, dtype="int32"), 0)
-    return ops.expand_dims(ops.less(ops.abs(rows - cols), window), 0)
+    return ops.expand_dims(_in_window(rows - cols, window), 0)
+
+
+def window_sides(window):
+    """`(before, after)` of a window: an int `w` (`|t - s| < w`) sees `w - 1` keys on
+    each side, a pair `(left, right)` sees `left` before and `right` after; `None`
+    without a window."""
+    if window is None:
+        return None
+    if isinstance(window, (tuple, list)):
+        return int(window[0]), int(window[1])
+    return window - 1, window - 1
+
+
+def _in_window(distance, window):
+    """Boolean: `distance = t - s` (query position minus key position) lies in the
+    window. The symmetric int window is the one comparison it always was."""
+    if not isinstance(window, (tuple, list)):
+        return ops.less(ops.abs(distance), window)
+    before, after = window_sides(window)
+    return ops.logical_and(ops.less_equal(distance, before), ops.greater_equal(distance, -after))
 
 
 def logical_and(*masks):

@@ -104,7 +104,7 @@ def output_and_gradients(layer, inputs, loss=None, **call_kwargs):
         def fn(arrays, trainable):
             out, _ = layer.stateless_call(
                 trainable,
-                [v.value for v in layer.non_trainable_weights],
+                [v.value for v in layer.non_trainable_variables],
                 **dict(zip(names, arrays)),
                 **call_kwargs,
             )

@@ -1,10 +1,12 @@
 """The one float64 NumPy reference of multi-head attention every test compares with.
 
 `reference_mha` runs a built layer (ours or the built-in) from its weights: the
-projections, QK-norm, rotary embeddings, grouped key/value heads, soft-cap, bias, masks
-(causal, window, dense with or without free axes), sinks, the gate and the output
-projection. A query row with no key to attend to gets zero weights. NumPy in, NumPy
-out, the same on every backend.
+projections, QK-norm (either parametrisation, its epsilon), the value norm, rotary
+embeddings, grouped key/value heads, the logits' scale, soft-cap, bias, masks (causal,
+symmetric or `(left, right)` window, dense with or without free axes), sinks, the gate,
+dropout on the attention output (a given keep mask) and the output projection. A query
+row with no key to attend to gets zero weights. NumPy in, NumPy out, the same on every
+backend. `numeric_gradient` differentiates any of it by central differences.
 """
 
 import keras
@@ -50,9 +52,17 @@ def rope(x, start, max_wavelength, scaling_factor=1.0):
 
 
 def reference_attention(
-    query, key, value, mask=None, attention_axes=None, bias=None, soft_cap=None, sinks=None
+    query,
+    key,
+    value,
+    mask=None,
+    attention_axes=None,
+    bias=None,
+    soft_cap=None,
+    sinks=None,
+    scale=None,
 ):
-    """Float64 `softmax(q k^T / sqrt(H), masked) v` on projected heads.
+    """Float64 `softmax(q k^T * scale, masked) v` on projected heads.
 
     Args:
         query: `(B, <dims>, N, H)`; key: `(B, <dims'>, N, H)`; value: `(B, <dims'>, N, Hv)`.
@@ -64,6 +74,7 @@ def reference_attention(
             `(B, N, T, S)`.
         soft_cap: logits become `cap * tanh(logits / cap)` (before the bias).
         sinks: `(N,)` sink logits joining each row's denominator.
+        scale: the logits' scale; `None` means `1 / sqrt(H)`.
 
     Returns:
         `(output, weights)`: output like the query with `Hv` channels, and weights in
@@ -82,7 +93,8 @@ def reference_attention(
     q, q_dims = flatten(query)
     k, k_dims = flatten(key)
     v, _ = flatten(value)
-    logits = np.einsum("...th,...sh->...ts", q, k) / np.sqrt(query.shape[-1])
+    scale = 1.0 / np.sqrt(query.shape[-1]) if scale is None else scale
+    logits = np.einsum("...th,...sh->...ts", q, k) * scale
     if soft_cap is not None:
         logits = soft_cap * np.tanh(logits / soft_cap)
     if bias is not None:
@@ -138,18 +150,25 @@ def reference_mha(
     use_causal_mask=False,
     sliding_window=None,
     attention_bias=None,
+    output_keep=None,
 ):
     """Float64 NumPy forward pass of a built `MultiHeadAttention` (ours or built-in).
 
     Reads the layer's weights, `num_heads`, `attention_axes` and gate, and for ours
-    also QK-norm, rotary embeddings, grouped key/value heads, the soft cap and sinks.
+    also QK-norm, the value norm, rotary embeddings, grouped key/value heads, the
+    scale, the soft cap and sinks.
 
     Args:
         layer: a built layer.
         query: `(B, ..., dim)`; value, key: `(B, ..., dim_v)` of the same rank.
         mask: boolean `(B or 1, <query att dims>, <key att dims>)` or `None`.
-        use_causal_mask, sliding_window: masks of 1-d attention, ANDed into `mask`.
+        use_causal_mask, sliding_window: masks of 1-d attention, ANDed into `mask`;
+            the window an int `w` (`|t - s| < w`) or a pair `(left, right)`
+            (`t - left <= s <= t + right`).
         attention_bias: added to the logits, broadcastable to `(B, N, T, S)`.
+        output_keep: dropout on the attention output: `None`, or a `(B, T, N, Hv)`
+            0/1 keep mask with the rate, `(keep, rate)`: the context becomes
+            `context * keep / (1 - rate)` before the output projection.
 
     Returns:
         `(output, scores)` as float64 arrays; fully-masked rows have zero scores.
@@ -163,6 +182,8 @@ def reference_mha(
     if getattr(layer, "_normalize_qk", False):
         q = _rms_norm(q, layer._query_norm)
         k = _rms_norm(k, layer._key_norm)
+    if getattr(layer, "_normalize_value", False):
+        v = rms_norm(v, 1.0, layer._value_norm.epsilon)
     wavelength = getattr(layer, "_rope_max_wavelength", None)
     if wavelength is not None:
         q = rope(q, 0, wavelength, layer._rope_scaling_factor)
@@ -174,27 +195,40 @@ def reference_mha(
         sinks = keras.ops.convert_to_numpy(layer._sinks.sinks)
     soft_cap = getattr(layer, "_logit_soft_cap", None)
     axes = layer.attention_axes
-    if use_causal_mask or sliding_window:
+    if use_causal_mask or sliding_window is not None:
         t, s = query.shape[1], key.shape[1]
         rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
         band = np.ones((1, t, s), bool)
         if use_causal_mask:
             band &= rows >= cols
-        if sliding_window:
-            band &= np.abs(rows - cols) < sliding_window
+        if sliding_window is not None:
+            band &= in_window(rows - cols, sliding_window)
         mask = band if mask is None else np.asarray(mask, bool) & band
     context, scores = reference_attention(
-        q, k, v, mask, axes, bias=attention_bias, soft_cap=soft_cap, sinks=sinks
+        q,
+        k,
+        v,
+        mask,
+        axes,
+        bias=attention_bias,
+        soft_cap=soft_cap,
+        sinks=sinks,
+        scale=getattr(layer, "_scale", None),
     )
     if _has_gate(layer):
         gate_kernel, gate_bias = w["gate"]
         context = context / (1.0 + np.exp(-_project(query, gate_kernel, gate_bias, 1)))
+    if output_keep is not None:
+        keep, rate = output_keep
+        context = context * np.asarray(keep, np.float64) / (1.0 - rate)
     out_kernel, out_bias = w["output"]
     return _project(context, out_kernel, out_bias, 2), scores
 
 
 def _rms_norm(x, norm):
     scale = np.asarray(keras.ops.convert_to_numpy(norm.scale), np.float64)
+    if getattr(norm, "unit_offset", False):
+        scale = 1.0 + scale  # `x_hat * (1 + w)`
     return rms_norm(x, scale, norm.epsilon)
 
 
@@ -202,3 +236,28 @@ def rms_norm(x, scale, epsilon):
     """Float64 RMS normalisation over the last axis, times `scale`."""
     x = np.asarray(x, np.float64)
     return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + epsilon) * scale
+
+
+def in_window(distance, window):
+    """Boolean: `distance = t - s` lies in the window, an int `w` (`|t - s| < w`) or a
+    pair `(left, right)` (`-right <= t - s <= left`)."""
+    if isinstance(window, (tuple, list)):
+        left, right = window
+        return (distance <= left) & (distance >= -right)
+    return np.abs(distance) < window
+
+
+def numeric_gradient(fn, array, step=1e-6):
+    """Float64 central-difference gradient of the scalar `fn(array)` w.r.t. `array`."""
+    array = np.asarray(array, np.float64)
+    grad = np.zeros_like(array)
+    flat, out = array.reshape(-1), grad.reshape(-1)
+    for i in range(flat.size):
+        saved = flat[i]
+        flat[i] = saved + step
+        up = fn(array)
+        flat[i] = saved - step
+        down = fn(array)
+        flat[i] = saved
+        out[i] = (up - down) / (2 * step)
+    return grad

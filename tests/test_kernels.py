@@ -39,6 +39,11 @@ MASKS = {
     "window": lambda t, s: masks.AttentionMask(window=3),
     "causal+window": lambda t, s: masks.AttentionMask(causal=True, window=4),
     "offset": lambda t, s: masks.AttentionMask(causal=True, offset=s - t, window=5),
+    # Asymmetric windows (left, right), with padding and a decoding offset.
+    "window-pair": lambda t, s: masks.AttentionMask(window=(2, 1)),
+    "window-pair+offset+padding": lambda t, s: masks.AttentionMask(
+        window=(4, 2), offset=s - t, key_valid=_padding(s, 8), query_valid=_padding(t, 9)
+    ),
     "dense": lambda t, s: masks.AttentionMask(dense=_dense(t, s, heads=1)),
     "dense-heads+causal": lambda t, s: masks.AttentionMask(
         dense=_dense(t, s, heads=N), causal=True, key_valid=_padding(s, 8)
@@ -118,7 +123,8 @@ def _run(kernel, mask, extras=None, **options):
 
     def fn(q, k, v, *rest):
         named = dict(zip(extras, rest))
-        kwargs = dict(scale=H**-0.5, mask=_tensorize(mask), **options, **named)
+        scale = options.pop("scale", H**-0.5)
+        kwargs = dict(scale=scale, mask=_tensorize(mask), **options, **named)
         if kernel == "explicit":
             out, _ = explicit.attention(q, k, v, equations=EQUATIONS, **kwargs)
             return out
@@ -1050,3 +1056,22 @@ def test_overriding_a_policy_row_lasts_for_its_block():
     with pytest.raises(RuntimeError), kernels.policy.overriding(chunk_size=3):
         raise RuntimeError
     assert kernels.policy.current() == row and kernels.policy._open_overrides == 0
+
+
+@pytest.mark.parametrize("kernel", ["fused", "folded"] + CHUNKED)
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+@pytest.mark.parametrize("masking", ["causal+padding", "keys", "window-pair+offset+padding"])
+def test_every_kernel_takes_the_scale(rng, kernel, scale, masking):
+    """The logits' scale (the layer's `scale`: T5's 1.0, Gemma's
+    `query_pre_attn_scalar ** -0.5`), forward and backward; the explicit kernel against
+    the float64 reference."""
+    t, s = T, T + 2
+    mask = MASKS[masking](t, s)
+    arrays = _inputs(rng, t, s)
+    out = to_numpy(_run("explicit", mask, scale=scale)(*arrays))
+    dense = np.broadcast_to(to_numpy(_tensorize(mask).block(0, t, 0, s)), (B, 1, t, s))
+    expected, _ = reference_attention(*arrays, mask=dense[:, 0], scale=scale)
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    default, _ = reference_attention(*arrays, mask=dense[:, 0])
+    assert np.abs(expected - default).max() > 1e-2  # the scale matters here
+    _assert_same(kernel, mask, arrays, scale=scale)

@@ -1,11 +1,15 @@
-"""Attention bias, logit soft-capping, attention sinks and rotary embeddings: against
-the float64 reference on every kernel, with GQA, QK-norm, masks and windows, through
-the backward pass, cached decoding, jit, saving, and their argument checks."""
+"""Attention bias, logit soft-capping, attention sinks and rotary embeddings, and the
+options of keras-hub's models (`scale`, `use_output_bias`, the norms' epsilon and
+`(1 + w)` scale, the value norm, `(left, right)` windows, `dropout_on`): against the
+float64 reference on every kernel, with GQA, QK-norm, masks and windows, through the
+backward pass, cached decoding, jit, saving, and their argument checks; against
+keras-hub's own attention layers where they compute the same thing."""
 
 import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, compiled, gradients, to_numpy
+import reference as reference_lib
+from helpers import BACKEND, compiled, gradients, output_and_gradients, to_numpy
 from keras import ops
 from reference import reference_mha
 
@@ -238,3 +242,331 @@ def test_bad_bias_is_rejected_and_changes_nothing(bias, message):
         layer(x, x, attention_bias=ops.convert_to_tensor(bias))
     for a, b in zip(before, layer.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------- options of keras-hub's models
+# Each against the float64 reference on every kernel, forward and backward (central
+# differences of the reference), and through the KV cache.
+OB, OT, ODIM, OHEADS, OKEY_DIM = 2, 6, 8, 2, 4
+OPTIONS = {
+    "scale": {"scale": 0.8},
+    "scale-t5": {"scale": 1.0, "use_bias": False},
+    "no_output_bias": {"use_output_bias": False},
+    "output_bias_only": {"use_bias": False, "use_output_bias": True},
+    "qk_norm_epsilon": {"normalize_qk": True, "norm_epsilon": 0.5},
+    "qk_norm_unit_offset": {"normalize_qk": True, "norm_unit_offset": True, "norm_epsilon": 1e-5},
+    "value_norm": {"normalize_value": True, "norm_epsilon": 0.1},
+    "window_pair": {"sliding_window": (2, 1)},
+    "gemma3-like": {
+        "scale": 0.3,
+        "use_bias": False,
+        "normalize_qk": True,
+        "norm_unit_offset": True,
+        "norm_epsilon": 1e-3,
+        "normalize_value": True,
+        "sliding_window": (3, 1),
+        "num_key_value_heads": 1,
+        "logit_soft_cap": 2.0,
+    },
+}
+KERNELS = ["explicit", "chunked", "fused"]
+
+
+def _option_layer(option, implementation=None, **extra):
+    keras.utils.set_random_seed(1)
+    layer = keras_mha.MultiHeadAttention(
+        OHEADS, OKEY_DIM, implementation=implementation, chunk_size=2, **OPTIONS[option], **extra
+    )
+    layer.build((OB, OT, ODIM), (OB, OT, ODIM))
+    rng = np.random.default_rng(3)
+    for norm in ("_query_norm", "_key_norm"):
+        if hasattr(layer, norm):  # scales far from their initial values, so they matter
+            getattr(layer, norm).scale.assign(rng.uniform(-0.8, 0.8, OKEY_DIM).astype("float32"))
+    biases = [w for w in layer.weights if w.path.endswith("bias")]
+    for w in biases:  # non-zero biases, so a missing one shows
+        w.assign(rng.standard_normal(tuple(w.shape)).astype("float32"))
+    return layer
+
+
+def _option_inputs(seed=5):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((OB, OT, ODIM)).astype("float32")
+    padding = np.ones((OB, OT), bool)
+    padding[1, 4:] = False
+    weights = rng.standard_normal((OB, OT, ODIM))
+    return x, padding, weights
+
+
+def _option_reference(layer, query, value, padding, causal, **extra):
+    mask = padding[:, None, :] & np.ones((1, OT, 1), bool)
+    window = layer._sliding_window
+    return reference_mha(
+        layer, query, value, mask=mask, use_causal_mask=causal, sliding_window=window, **extra
+    )[0]
+
+
+_REFERENCE_GRADIENTS = {}
+
+
+def _reference_gradients(option, causal):
+    """Float64 gradients of `sum(reference * weights)` w.r.t. the query and the value,
+    by central differences (once per option)."""
+    if (option, causal) not in _REFERENCE_GRADIENTS:
+        layer = _option_layer(option)
+        x, padding, weights = _option_inputs()
+
+        def loss_of(query, value):
+            return float(np.sum(_option_reference(layer, query, value, padding, causal) * weights))
+
+        _REFERENCE_GRADIENTS[option, causal] = (
+            reference_lib.numeric_gradient(lambda q: loss_of(q, x), x),
+            reference_lib.numeric_gradient(lambda v: loss_of(x, v), x),
+        )
+    return _REFERENCE_GRADIENTS[option, causal]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_option_matches_float64_reference_forward_and_backward(option, implementation, causal):
+    layer = _option_layer(option, implementation)
+    x, padding, weights = _option_inputs()
+    loss = lambda y: ops.sum(y * ops.convert_to_tensor(weights.astype("float32")))  # noqa: E731
+    out, _, grads, _ = output_and_gradients(
+        layer, {"query": x, "value": x}, loss, value_mask=padding, use_causal_mask=causal
+    )
+    expected = _option_reference(layer, x, x, padding, causal)
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    d_query, d_value = _reference_gradients(option, causal)
+    np.testing.assert_allclose(grads["query"], d_query, atol=1e-4)
+    np.testing.assert_allclose(grads["value"], d_value, atol=1e-4)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_option_changes_the_result(option):
+    """Every option case differs from the layer without it: the tests above can fail."""
+    layer = _option_layer(option)
+    x, padding, _ = _option_inputs()
+    keras.utils.set_random_seed(1)
+    config = {**layer.get_config(), **_OFF}
+    plain = keras_mha.MultiHeadAttention.from_config(config)
+    plain.build((OB, OT, ODIM), (OB, OT, ODIM))
+    rng = np.random.default_rng(9)
+    for w in plain.weights:
+        source = [v for v in layer.weights if v.path.split("/", 1)[1] == w.path.split("/", 1)[1]]
+        # A weight only the plain layer has (a bias) gets non-zero values.
+        w.assign(source[0] if source else rng.standard_normal(tuple(w.shape)).astype("float32"))
+    ours = to_numpy(layer(x, x, value_mask=padding, use_causal_mask=True))
+    without = to_numpy(plain(x, x, value_mask=padding, use_causal_mask=True))
+    assert np.abs(ours - without).max() > 1e-3
+
+
+_OFF = {
+    "scale": None,
+    "use_bias": True,
+    "use_output_bias": None,
+    "norm_epsilon": 1e-6,
+    "norm_unit_offset": False,
+    "normalize_value": False,
+    "sliding_window": None,
+}
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_option_prefill_and_decode_equal_one_causal_call(option, implementation):
+    """A prompt of 3 tokens at index 0, then one token at a time: the window follows
+    the queries' positions in the cache."""
+    layer = _option_layer(option, implementation)
+    x, _, _ = _option_inputs()
+    full = to_numpy(layer(x, x, use_causal_mask=True))
+    cache = layer.init_cache(OB, OT)
+    prompt = x[:, :3]
+    out, cache = layer(prompt, prompt, cache=cache, cache_update_index=0, use_causal_mask=True)
+    steps = [to_numpy(out)]
+    for t in range(3, OT):
+        token = x[:, t : t + 1]
+        out, cache = layer(token, token, cache=cache, cache_update_index=t, use_causal_mask=True)
+        steps.append(to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=ATOL)
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("window", [(2, 1), (0, 3), 2])
+def test_window_with_a_query_offset_in_a_filled_cache(implementation, window):
+    """Without causality (an encoder's asymmetric window over a filled cache), each
+    query `t` at `cache_update_index=t` sees the keys `t - left ... t + right`."""
+    keras.utils.set_random_seed(1)
+    layer = keras_mha.MultiHeadAttention(
+        OHEADS, OKEY_DIM, sliding_window=window, implementation=implementation, chunk_size=2
+    )
+    x, _, _ = _option_inputs()
+    full = to_numpy(layer(x, x))
+    _, cache = layer(x, x, cache=layer.init_cache(OB, OT), cache_update_index=0)
+    for t in range(OT):
+        token = x[:, t : t + 1]
+        out, _ = layer(token, token, cache=cache, cache_update_index=t)
+        np.testing.assert_allclose(to_numpy(out), full[:, t : t + 1], atol=ATOL)
+    expected = reference_mha(layer, x, x, sliding_window=window)[0]
+    np.testing.assert_allclose(full, expected, atol=ATOL)
+
+
+# ------------------------------------------------------------ dropout placement
+def _identity_output(layer):
+    """Output projection = identity on `(N * Hv)` channels, no bias: the output is the
+    attention output, heads side by side, where dropout can be seen."""
+    kernel = np.eye(OHEADS * OKEY_DIM, dtype="float32").reshape(OHEADS, OKEY_DIM, ODIM)
+    layer._output_dense.kernel.assign(kernel)
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_dropout_on_output_drops_attention_output_entries(implementation):
+    """`dropout_on="output"`: each entry of the `(B, T, N, Hv)` attention output is 0 or
+    the reference's divided by `1 - rate`, forward; backward, the reference's
+    gradients through the same keep mask."""
+    rate = 0.4
+    layer = _option_layer(
+        "scale-t5", implementation, dropout=rate, dropout_on="output", seed=3
+    )
+    _identity_output(layer)
+    x, padding, weights = _option_inputs()
+    weights = weights.astype("float32")
+    loss = lambda y: ops.sum(y * ops.convert_to_tensor(weights))  # noqa: E731
+    out, _, grads, _ = output_and_gradients(
+        layer, {"query": x, "value": x}, loss, value_mask=padding, training=True
+    )
+    plain = _option_reference(layer, x, x, padding, False)
+    keep = out != 0
+    assert keep.any() and not keep.all()
+    np.testing.assert_allclose(out, np.where(keep, plain / (1 - rate), 0.0), atol=ATOL)
+    keep = keep.reshape(OB, OT, OHEADS, OKEY_DIM).astype("float64")
+
+    def loss_of(query, value):
+        reference = _option_reference(layer, query, value, padding, False, output_keep=(keep, rate))
+        return float(np.sum(reference * weights))
+
+    d_query = reference_lib.numeric_gradient(lambda q: loss_of(q, x), x)
+    np.testing.assert_allclose(grads["query"], d_query, atol=1e-4)
+    d_value = reference_lib.numeric_gradient(lambda v: loss_of(x, v), x)
+    np.testing.assert_allclose(grads["value"], d_value, atol=1e-4)
+    # Not in inference, and returned scores are the weights, undropped.
+    np.testing.assert_allclose(to_numpy(layer(x, x, value_mask=padding)), plain, atol=ATOL)
+
+
+def test_dropout_on_weights_is_not_dropout_on_output():
+    """The default drops weights: the outputs are not 0-or-scaled entries (what the
+    test above checks can fail)."""
+    rate = 0.4
+    layer = _option_layer("scale-t5", "explicit", dropout=rate, seed=3)
+    _identity_output(layer)
+    x, padding, _ = _option_inputs()
+    out = to_numpy(layer(x, x, value_mask=padding, training=True))
+    plain = _option_reference(layer, x, x, padding, False)
+    assert (out != 0).all()
+    assert np.abs(out - plain / (1 - rate)).max() > 1e-2
+
+
+def test_dropout_on_output_keeps_the_fused_kernel_in_training(monkeypatch):
+    """Dropout on the weights needs a kernel that draws them (the chunked one); on the
+    output, the fused kernel runs in training too."""
+    from keras_mha.kernels import chunked, fused
+
+    calls = []
+    monkeypatch.setattr(fused, "attention", _spy(fused.attention, calls, "fused"))
+    monkeypatch.setattr(chunked, "attention", _spy(chunked.attention, calls, "chunked"))
+    x, _, _ = _option_inputs()
+    for dropout_on in ("output", "weights"):
+        layer = _option_layer("scale-t5", "fused", dropout=0.2, dropout_on=dropout_on)
+        layer(x, x, training=True)
+    assert calls == ["fused", "chunked"]
+
+
+def _spy(function, calls, name):
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return function(*args, **kwargs)
+
+    return spy
+
+
+def test_dropout_on_output_is_reproducible_with_a_seed():
+    x, _, _ = _option_inputs()
+    outs = []
+    for _ in range(2):
+        layer = _option_layer("scale-t5", dropout=0.5, dropout_on="output", seed=11)
+        outs.append(to_numpy(layer(x, x, training=True)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+# -------------------------------------------------------- weights, config, saving
+def test_use_output_bias_weights_are_the_builtins_without_the_output_bias():
+    builtin = keras.layers.MultiHeadAttention(OHEADS, OKEY_DIM)
+    builtin.build((OB, OT, ODIM), (OB, OT, ODIM))
+    names = [w.path.split("/", 1)[1] for w in builtin.weights]
+    for use_bias, use_output_bias, expected in [
+        (True, None, names),
+        (True, True, names),
+        (True, False, names[:-1]),
+        (False, True, names[0:7:2] + names[-1:]),
+        (False, None, names[0:7:2]),
+    ]:
+        layer = keras_mha.MultiHeadAttention(
+            OHEADS, OKEY_DIM, use_bias=use_bias, use_output_bias=use_output_bias
+        )
+        layer.build((OB, OT, ODIM), (OB, OT, ODIM))
+        assert [w.path.split("/", 1)[1] for w in layer.weights] == expected
+
+
+def test_value_norm_adds_no_weight_and_norms_keep_their_order():
+    layer = _option_layer("gemma3-like")
+    paths = [w.path.split("/", 1)[1] for w in layer.weights]
+    assert paths[-2:] == ["query_norm/scale", "key_norm/scale"]
+    assert len(paths) == 6  # q, k, v, output kernels, two norm scales
+    fresh = keras_mha.MultiHeadAttention(2, 4, normalize_qk=True, norm_unit_offset=True)
+    fresh.build((1, 3, 8), (1, 3, 8))
+    np.testing.assert_array_equal(to_numpy(fresh._query_norm.scale), 0.0)  # 1 + 0
+
+
+ALL_OPTIONS = {
+    "scale": 0.25,
+    "use_output_bias": False,
+    "norm_epsilon": 1e-5,
+    "norm_unit_offset": True,
+    "normalize_qk": True,
+    "normalize_value": True,
+    "sliding_window": (3, 0),
+    "dropout": 0.1,
+    "dropout_on": "output",
+}
+
+
+def test_options_config_round_trip():
+    layer = keras_mha.MultiHeadAttention(OHEADS, OKEY_DIM, **ALL_OPTIONS)
+    config = layer.get_config()
+    for name, value in ALL_OPTIONS.items():
+        assert config[name] == value
+    again = keras_mha.MultiHeadAttention.from_config(config)
+    assert again.get_config() == config
+    # A `.keras` file's JSON holds the pair as a list.
+    listed = keras_mha.MultiHeadAttention.from_config({**config, "sliding_window": [3, 0]})
+    assert listed.get_config()["sliding_window"] == (3, 0)
+    defaults = keras_mha.MultiHeadAttention(OHEADS, OKEY_DIM).get_config()
+    assert defaults["scale"] is None and defaults["use_output_bias"] is None
+    assert defaults["norm_epsilon"] == 1e-6 and defaults["norm_unit_offset"] is False
+    assert defaults["normalize_value"] is False and defaults["dropout_on"] == "weights"
+
+
+def test_options_saved_and_reloaded(tmp_path):
+    inputs = keras.Input((OT, ODIM))
+    layer = keras_mha.MultiHeadAttention(OHEADS, OKEY_DIM, **ALL_OPTIONS)
+    model = keras.Model(inputs, layer(inputs, inputs, use_causal_mask=True))
+    rng = np.random.default_rng(2)
+    layer._query_norm.scale.assign(rng.standard_normal(OKEY_DIM).astype("float32"))
+    x = rng.standard_normal((OB, OT, ODIM)).astype("float32")
+    path = tmp_path / "options.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    config = loaded.layers[1].get_config()
+    for name, value in ALL_OPTIONS.items():
+        assert config[name] == value
+    np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(model(x)), atol=1e-6)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import to_numpy
 from keras import ops
+from reference import in_window
 
 from keras_mha import masks
 
@@ -38,7 +39,7 @@ def _numpy_mask(
     if causal:
         allowed &= rows >= cols
     if window is not None:
-        allowed &= np.abs(rows - cols) < window
+        allowed &= in_window(rows - cols, window)
     if dense is not None:
         allowed &= dense
     return allowed
@@ -50,6 +51,9 @@ FACTORS = {
     "causal+offset": dict(causal=True, offset=2),
     "window": dict(window=3),
     "causal+window+offset": dict(causal=True, window=4, offset=2),
+    "window-pair": dict(window=(1, 2)),
+    "window-pair+offset": dict(window=(3, 0), offset=2),
+    "causal+window-pair+offset": dict(causal=True, window=(2, 4), offset=1),
     "dense": dict(dense=(B, 1, T, S)),
     "dense-heads": dict(dense=(B, N, T, S)),
     "dense-broadcast": dict(dense=(1, 1, 1, S)),
@@ -135,6 +139,10 @@ def test_visible_range_holds_every_key_a_chunk_sees(rng, name):
         (masks.AttentionMask(causal=True, offset=3), 4, 4, (0, 11)),
         (masks.AttentionMask(window=3), 8, 4, (6, 14)),
         (masks.AttentionMask(causal=True, window=3), 8, 4, (6, 12)),
+        # (left, right): queries 8..11 see keys 8 - 1 .. 11 + 2.
+        (masks.AttentionMask(window=(1, 2)), 8, 4, (7, 14)),
+        (masks.AttentionMask(window=(5, 0), offset=2), 8, 4, (5, 14)),
+        (masks.AttentionMask(window=(0, 3)), 8, 4, (8, 15)),
         (masks.AttentionMask(causal=True, offset=ops.convert_to_tensor(2)), 4, 4, (0, 20)),
     ],
 )
@@ -249,6 +257,8 @@ def test_expand_to_scores_inserts_the_batch_like_axes():
         dict(key=True, causal=True, offset=2),
         dict(key=True, window=2),
         dict(query=True, key=True, causal=True, window=3, offset=1),
+        dict(key=True, window=(0, 1)),
+        dict(query=True, key=True, window=(2, 0), offset=1),
         dict(causal=True, offset=-3),
         dict(key=True, dense=True),
     ],
@@ -311,3 +321,16 @@ def test_describe_carries_segment_ids_and_merge_masks_builds_them(rng):
     cross = masks.describe(segment_ids=ids, key_segment_ids=keys)
     expected = (ids[:, :, None] == keys[:, None, :]) & (ids[:, :, None] != 0)
     np.testing.assert_array_equal(to_numpy(cross.block(0, 7, 0, 3))[:, 0], expected)
+
+
+@pytest.mark.parametrize("window", [3, (1, 2), (0, 0), (4, 0)])
+def test_merge_masks_builds_the_window_the_description_holds(window):
+    """The dense form (the built-in's hooks, N-d attention) and the described one agree
+    on symmetric and `(left, right)` windows, with a decoding offset."""
+    dense = masks.merge_masks(T, S, sliding_window=window, offset=2)
+    rows, cols = np.arange(T)[:, None] + 2, np.arange(S)[None, :]
+    expected = in_window(rows - cols, window)
+    assert expected.any() and not expected.all()
+    np.testing.assert_array_equal(to_numpy(dense)[0], expected)
+    described = masks.describe(sliding_window=window, offset=2)
+    np.testing.assert_array_equal(to_numpy(described.block(0, T, 0, S))[0, 0], expected)
