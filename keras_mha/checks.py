@@ -285,7 +285,7 @@ def scores_shape(query_shape, value_shape, axes, num_heads):
     )
 
 
-def call_arguments(arguments, axes, num_heads, rotates=False):
+def call_arguments(arguments, axes, num_heads, rotates=False, position_streams=None):
     """A call's inputs and masks, checked before Keras converts them to tensors (a
     string mask would fail there, naming nothing) or builds the layer, so a rejected
     call leaves no weights behind. (Its flags are checked by `flag` as they come.)
@@ -295,6 +295,8 @@ def call_arguments(arguments, axes, num_heads, rotates=False):
         axes: the layer's `attention_axes` (as given, or normalized once built).
         num_heads: the layer's number of (query) heads.
         rotates: the layer applies rotary embeddings (`positions` needs them).
+        position_streams: `None`, or M-RoPE's number of position streams `P`:
+            `positions` may then also be `(B, P, T)`.
     """
     query, value, key = (arguments.get(name) for name in ("query", "value", "key"))
     if not all(hasattr(x, "shape") for x in (query, value) + ((key,) if key is not None else ())):
@@ -313,6 +315,7 @@ def call_arguments(arguments, axes, num_heads, rotates=False):
         key_shape if cache is None else (query_shape[0], _shape(cache)[2]),
         cached=cache is not None,
         rotates=rotates,
+        position_streams=position_streams,
     )
     if cache is not None:
         return  # masks then cover the cache's positions; `call` checks them
@@ -325,7 +328,16 @@ def call_arguments(arguments, axes, num_heads, rotates=False):
     attention_mask(arguments.get("attention_mask"), scores, len(axes))
 
 
-def packed(segment_ids, key_segment_ids, positions, query_shape, key_shape, cached, rotates):
+def packed(
+    segment_ids,
+    key_segment_ids,
+    positions,
+    query_shape,
+    key_shape,
+    cached,
+    rotates,
+    position_streams=None,
+):
     """Packed rows' document ids and positions: integer `(B, T)` (the keys' ids
     `(B, S)`), on `(B, T, dim)` inputs; keys of another length than the queries (or a
     cache) need their own ids; `positions` need rotary embeddings and keys rotated
@@ -337,6 +349,8 @@ def packed(segment_ids, key_segment_ids, positions, query_shape, key_shape, cach
             its length).
         cached: a cache is given.
         rotates: the layer has rotary embeddings.
+        position_streams: `None`, or M-RoPE's number of position streams `P`:
+            `positions` may then also be `(B, P, T)`.
     """
     given = [
         (name, value)
@@ -358,11 +372,14 @@ def packed(segment_ids, key_segment_ids, positions, query_shape, key_shape, cach
             extra=f"with a query of shape {shape_str(query_shape)}",
         )
     queries, keys = query_shape[:2], tuple(key_shape[:2])
+    streams = None if position_streams is None else (queries[0], position_streams, queries[1])
     for name, value, expected in (
         ("segment_ids", segment_ids, queries),
         ("key_segment_ids", key_segment_ids, keys),
         ("positions", positions, queries),
     ):
+        if name == "positions" and streams is not None and len(_shape(value)) == 3:
+            expected = streams
         _integer_ids(name, value, expected)
     if key_segment_ids is not None and segment_ids is None:
         raise invalid(
@@ -395,14 +412,17 @@ def packed(segment_ids, key_segment_ids, positions, query_shape, key_shape, cach
 
 
 def _integer_ids(name, value, expected_shape):
-    """An integer `(B, L)` tensor (or array)."""
+    """An integer tensor (or array) of `expected_shape` (`(B, L)`, or M-RoPE's
+    `(B, P, T)` positions)."""
     if value is None:
         return
     dtype = str(getattr(value, "dtype", type(value).__name__))
     if "int" not in dtype:
         raise invalid(name, "an integer tensor", f"dtype {dtype}")
     shape = _shape(value)
-    if len(shape) != 2 or any(dims_differ(a, b) for a, b in zip(shape, expected_shape)):
+    if len(shape) != len(expected_shape) or any(
+        dims_differ(a, b) for a, b in zip(shape, expected_shape)
+    ):
         raise invalid(
             name, f"a tensor of shape {shape_str(expected_shape)}", f"shape {shape_str(shape)}"
         )

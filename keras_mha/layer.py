@@ -147,7 +147,37 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             `keras_hub.layers.RotaryEmbedding(max_wavelength, scaling_factor)`;
             positions are `cache_update_index + t` when decoding. Needs an even
             `key_dim` and `(B, T, dim)` inputs.
-        rope_scaling_factor: Positions are divided by it (position interpolation).
+        rope_scaling_factor: Positions are divided by it (position interpolation,
+            keras-hub's "linear" scaling: Mistral, Qwen, Gemma 3's global layers,
+            Gemma 4), with every `rope_scaling` variant too.
+        rope_scaling: `None` or a dict of plain data naming a RoPE variant of
+            keras-hub's language models by its "type" (`keras_mha.rope` has the
+            formulas; a missing optional key takes the default shown):
+            `{"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings"}` (Llama 3.1+'s frequency
+            smoothing); `{"type": "yarn", "factor", "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+            "truncate": True, "attention_factor": None}` (GPT-OSS: set "truncate"
+            to `False`; `cos`/`sin` times `attention_factor`, by default `0.1 *
+            ln(factor) + 1`); `{"type": "longrope", "short_factor",
+            "long_factor", "original_max_position_embeddings",
+            "max_position_embeddings": None, "attention_factor": None}` (Phi-3's
+            LongRoPE: `rope_dim / 2` factors each; the long ones apply when
+            `cache_update_index + T > original_max_position_embeddings`, as
+            keras-hub decides); `{"type": "mrope", "sections": [s_t, s_h, s_w]}`
+            (Qwen3.5's interleaved multimodal RoPE: `positions` may then be
+            `(B, 3, T)`, one stream each for time, height and width; `(B, T)`
+            positions or none give plain RoPE, keras-hub's text-only path).
+        rope_dim: `None` (every dimension of each head rotates) or an even number
+            of dimensions, at most `key_dim`, that rotate (partial rotary; see
+            `rope_dim_layout`); the others pass through.
+        rope_dim_layout: Where the `rope_dim` rotated dimensions sit: "prefix"
+            (the first `rope_dim`, rotated as a head of `rope_dim`: GPT-NeoX's
+            `rotary_percentage`, Qwen3.5's `partial_rotary_factor`) or
+            "proportional" (the first `rope_dim / 2` of each half of the head, at
+            the whole head's frequencies: Gemma 4's `rope_partial_rotary_factor`).
+        rope_interleaved: Rotate the pairs `(x[2i], x[2i + 1])` (RoFormer-v2)
+            instead of keras-hub's halves `(x[i], x[i + H/2])`.
         fully_masked_rows: What a query row whose keys are all masked gets: "zero"
             (zero weights, so its output is the output projection's bias, on every
             path; difference 5) or "builtin": what the built-in gives it, the mean of
@@ -241,7 +271,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             when the keys are not the queries.
         positions: Optional `(B, T)` integer RoPE positions per token, replacing
             `cache_update_index + t` (or those derived from `segment_ids`) for the
-            queries and the new keys. Needs `rope_max_wavelength`.
+            queries and the new keys. Needs `rope_max_wavelength`. With
+            `rope_scaling={"type": "mrope", ...}`, also `(B, 3, T)`: time, height
+            and width positions per token.
 
     Returns:
         output: `(B, T, dim)`, or `(B, T) + output_shape` when given.
@@ -295,6 +327,10 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         use_sinks=False,
         rope_max_wavelength=None,
         rope_scaling_factor=1.0,
+        rope_scaling=None,
+        rope_dim=None,
+        rope_dim_layout="prefix",
+        rope_interleaved=False,
         fully_masked_rows="zero",
         keep_input_masks=False,
         scale=None,
@@ -324,8 +360,21 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             "rope_max_wavelength", rope_max_wavelength, allow_none=True
         )
         rope_scaling_factor = checks.positive_number("rope_scaling_factor", rope_scaling_factor)
+        rope_scaling, rope_dim, rope_dim_layout, rope_interleaved = rope.check_options(
+            key_dim, rope_scaling, rope_dim, rope_dim_layout, rope_interleaved
+        )
         keep_input_masks = checks.flag("keep_input_masks", keep_input_masks)
-        if rope_max_wavelength is not None and key_dim % 2:
+        if rope_max_wavelength is None:
+            for name, value, default in (
+                ("rope_scaling", rope_scaling, None),
+                ("rope_dim", rope_dim, None),
+                ("rope_interleaved", rope_interleaved, False),
+            ):
+                if value != default:
+                    expected = f"{default!r} without rotary embeddings (`rope_max_wavelength`)"
+                    raise checks.invalid(name, expected, value)
+        whole_halves = rope_dim is None or rope_dim_layout == "proportional"
+        if rope_max_wavelength is not None and key_dim % 2 and whole_halves:
             raise checks.invalid(
                 "key_dim", "an even size per head to rotate with `rope_max_wavelength`", key_dim
             )
@@ -379,6 +428,10 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         self._use_sinks = use_sinks
         self._rope_max_wavelength = rope_max_wavelength
         self._rope_scaling_factor = rope_scaling_factor
+        self._rope_scaling = rope_scaling
+        self._rope_dim = rope_dim
+        self._rope_dim_layout = rope_dim_layout
+        self._rope_interleaved = rope_interleaved
         self._fully_masked_rows = fully_masked_rows
         self._keep_input_masks = keep_input_masks
         self._scale = scale
@@ -476,6 +529,10 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             "use_sinks": self._use_sinks,
             "rope_max_wavelength": self._rope_max_wavelength,
             "rope_scaling_factor": self._rope_scaling_factor,
+            "rope_scaling": rope.plain(self._rope_scaling),
+            "rope_dim": self._rope_dim,
+            "rope_dim_layout": self._rope_dim_layout,
+            "rope_interleaved": self._rope_interleaved,
             "fully_masked_rows": self._fully_masked_rows,
             # Quantized projections are rebuilt quantized (see `policy_for_config`).
             "dtype": keras.dtype_policies.serialize(projections.policy_for_config(self)),
@@ -586,6 +643,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
                     self._attention_axes,
                     self._num_heads,
                     rotates=self._rope_max_wavelength is not None,
+                    position_streams=self._position_streams(),
                 )
         return super().__call__(*args, **kwargs)
 
@@ -736,8 +794,21 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
 
     def _rotate(self, x, start, positions=None):
         return rope.rotate(
-            x, start, self._rope_max_wavelength, self._rope_scaling_factor, positions
+            x,
+            start,
+            self._rope_max_wavelength,
+            self._rope_scaling_factor,
+            positions,
+            scaling=self._rope_scaling,
+            rope_dim=self._rope_dim,
+            layout=self._rope_dim_layout,
+            interleaved=self._rope_interleaved,
         )
+
+    def _position_streams(self):
+        """M-RoPE's number of position streams (`positions` may be `(B, 3, T)`)."""
+        scaling = self._rope_scaling
+        return 3 if scaling is not None and scaling["type"] == "mrope" else None
 
     def _with_segments(self, mask, segment_ids, key_segment_ids, described):
         """The call's mask with packed rows' document ids: described (an

@@ -38,17 +38,123 @@ def softmax_with_mask(logits, mask=None, axes=(-1,), sinks=None):
     return np.where(total > 0, exp / np.where(total > 0, total, 1.0), 0.0)
 
 
-def rope(x, start, max_wavelength, scaling_factor=1.0):
+def rope(
+    x,
+    start,
+    max_wavelength,
+    scaling_factor=1.0,
+    positions=None,
+    scaling=None,
+    rope_dim=None,
+    layout="prefix",
+    interleaved=False,
+):
     """Float64 rotary embedding of `x` `(B, T, N, H)` at positions `start + t`, in
-    keras-hub's rotate-half convention (`keras_hub.layers.RotaryEmbedding`)."""
+    keras-hub's rotate-half convention (`keras_hub.layers.RotaryEmbedding`), with the
+    variants of `keras_mha.rope` written from their papers' and keras-hub's formulas.
+
+    Args:
+        x: `(B, T, N, H)`.
+        start: the first position (and, for LongRoPE, `start + T` picks the factors).
+        max_wavelength, scaling_factor: the base and the positions' divisor.
+        positions: `None`, `(B, T)` per-token positions, or `(B, 3, T)` M-RoPE streams.
+        scaling: `None` or a `rope_scaling` dict with every key (the layer's).
+        rope_dim, layout, interleaved: partial rotary and the pairing.
+    """
     x = np.asarray(x, np.float64)
-    half = x.shape[-1] // 2
-    inverse_frequency = max_wavelength ** (-np.arange(half) * 2.0 / x.shape[-1])
-    positions = (start + np.arange(x.shape[1])) / scaling_factor
-    angles = positions[:, None] * inverse_frequency[None, :]  # (T, H/2)
-    cos, sin = np.cos(angles)[None, :, None, :], np.sin(angles)[None, :, None, :]
+    head_dim = x.shape[-1]
+    dim = head_dim if rope_dim is None else rope_dim
+    if dim < head_dim and layout == "prefix":
+        rotated = rope(
+            x[..., :dim], start, max_wavelength, scaling_factor, positions, scaling,
+            interleaved=interleaved,
+        )  # fmt: skip
+        return np.concatenate([rotated, x[..., dim:]], axis=-1)
+    denominator = head_dim if dim < head_dim else dim
+    index = np.arange(dim // 2)
+    inverse = max_wavelength ** (-2.0 * index / denominator)
+    gain = 1.0
+    kind = None if scaling is None else scaling["type"]
+    if kind == "llama3":
+        inverse = _llama3(inverse, scaling)
+    elif kind == "yarn":
+        inverse, gain = _yarn(inverse, index, denominator, max_wavelength, scaling)
+    elif kind == "longrope":
+        inverse, gain = _longrope(inverse, start + x.shape[1], scaling)
+    inverse = np.concatenate([inverse, np.zeros((head_dim - dim) // 2)])  # proportional
+    if positions is None:
+        positions = (start + np.arange(x.shape[1]))[None, :]
+    positions = np.asarray(positions, np.float64) / scaling_factor
+    if positions.ndim == 3:  # M-RoPE: each frequency follows one of 3 streams
+        sections = scaling["sections"]
+        stream = np.zeros(head_dim // 2, int)
+        for i in range(head_dim // 2):
+            if i % 3 == 1 and i < 3 * sections[1]:
+                stream[i] = 1
+            elif i % 3 == 2 and i < 3 * sections[2]:
+                stream[i] = 2
+        angles = np.stack(  # (B, T, H/2)
+            [positions[:, stream[i], :] * inverse[i] for i in range(head_dim // 2)], axis=-1
+        )
+    else:
+        angles = positions[:, :, None] * inverse  # (B or 1, T, H/2)
+    cos, sin = gain * np.cos(angles)[:, :, None, :], gain * np.sin(angles)[:, :, None, :]
+    if interleaved:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = odd * cos + even * sin
+        return out
+    half = head_dim // 2
     first, second = x[..., :half], x[..., half:]
     return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def _llama3(inverse, scaling):
+    """Llama 3.1's smoothing: long wavelengths (above `original / low_freq_factor`)
+    interpolated by `factor`, short ones (below `original / high_freq_factor`) kept,
+    those between blended linearly in `original / wavelength`."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * np.pi / inverse
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inverse / factor + smooth * inverse
+    return np.where(
+        wavelength > original / low,
+        inverse / factor,
+        np.where(wavelength < original / high, inverse, blended),
+    )
+
+
+def _yarn(inverse, index, dim, max_wavelength, scaling):
+    """YaRN: frequency `i` interpolated by `factor` in proportion to a ramp that is 0
+    below the dimension where `beta_fast` rotations fit the original length and 1
+    above the one where `beta_slow` do; `cos`/`sin` times `0.1 ln(factor) + 1`."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dimension(rotations):
+        return dim * np.log(original / (rotations * 2 * np.pi)) / (2 * np.log(max_wavelength))
+
+    low, high = dimension(scaling["beta_fast"]), dimension(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0.0), min(high, dim - 1.0)
+    ramp = np.clip((index - low) / max(high - low, 0.001), 0.0, 1.0)
+    gain = scaling["attention_factor"] or 0.1 * np.log(factor) + 1.0
+    return inverse / factor * ramp + inverse * (1.0 - ramp), gain
+
+
+def _longrope(inverse, last, scaling):
+    """LongRoPE: frequencies divided by the long factors when the call's last position
+    `last` passes the original length, else by the short ones; `cos`/`sin` times
+    `sqrt(1 + ln(max / original) / ln(original))`."""
+    original = scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor"] if last > original else scaling["short_factor"]
+    ratio = (scaling["max_position_embeddings"] or original) / original
+    gain = scaling["attention_factor"] or (
+        np.sqrt(1 + np.log(ratio) / np.log(original)) if ratio > 1 else 1.0
+    )
+    return inverse / np.asarray(factors, np.float64), gain
 
 
 def reference_attention(
@@ -151,6 +257,7 @@ def reference_mha(
     sliding_window=None,
     attention_bias=None,
     output_keep=None,
+    positions=None,
 ):
     """Float64 NumPy forward pass of a built `MultiHeadAttention` (ours or built-in).
 
@@ -169,6 +276,8 @@ def reference_mha(
         output_keep: dropout on the attention output: `None`, or a `(B, T, N, Hv)`
             0/1 keep mask with the rate, `(keep, rate)`: the context becomes
             `context * keep / (1 - rate)` before the output projection.
+        positions: RoPE positions of the queries and keys (self-attention): `None`
+            (`t`), `(B, T)`, or M-RoPE's `(B, 3, T)`.
 
     Returns:
         `(output, scores)` as float64 arrays; fully-masked rows have zero scores.
@@ -186,8 +295,15 @@ def reference_mha(
         v = rms_norm(v, 1.0, layer._value_norm.epsilon)
     wavelength = getattr(layer, "_rope_max_wavelength", None)
     if wavelength is not None:
-        q = rope(q, 0, wavelength, layer._rope_scaling_factor)
-        k = rope(k, 0, wavelength, layer._rope_scaling_factor)
+        options = dict(
+            positions=positions,
+            scaling=getattr(layer, "_rope_scaling", None),
+            rope_dim=getattr(layer, "_rope_dim", None),
+            layout=getattr(layer, "_rope_dim_layout", "prefix"),
+            interleaved=getattr(layer, "_rope_interleaved", False),
+        )
+        q = rope(q, 0, wavelength, layer._rope_scaling_factor, **options)
+        k = rope(k, 0, wavelength, layer._rope_scaling_factor, **options)
     repeats = layer.num_heads // getattr(layer, "num_key_value_heads", layer.num_heads)
     k, v = np.repeat(k, repeats, axis=-2), np.repeat(v, repeats, axis=-2)
     sinks = None
