@@ -34,12 +34,20 @@ class Entry:
             of arrays in our sublayer's variable order.
         notes: Where keras-hub's class and ours differ, one line each (the guide's
             table, `swap`'s report).
+        layers: `None`, or `(config) -> {name: layer}`: layers of the keras-hub class's
+            own that our layer has no place for (T5's relative position bias table),
+            built beside `attention` and set as attributes of the `HubAttention`
+            (`weights` may name them).
+        with_layer: Whether `call` receives the `HubAttention` (its `attention`,
+            `corrected` and `layers`) instead of our layer.
     """
 
     options: callable
     call: callable
     weights: callable
     notes: tuple = ()
+    layers: callable = None
+    with_layer: bool = False
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -50,6 +58,10 @@ class HubAttention(keras.layers.Layer):
         hub_class: The keras-hub class it stands for, `"module.ClassName"` (a key of
             `keras_mha.hub.table.ADAPTERS`).
         config: The arguments that class was constructed with, by name.
+        corrected: Where keras-hub's class is wrong (the entry's `notes` say where:
+            e.g. GPT-NeoX's cached decoding), `False` (the default) keeps what it
+            computes, so a swap keeps the model's outputs; `True` computes the
+            correct result instead. It may be set on the layer before its first call.
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -59,7 +71,7 @@ class HubAttention(keras.layers.Layer):
         What the keras-hub class returns (an output, or `(output, cache)`).
     """
 
-    def __init__(self, hub_class, config, **kwargs):
+    def __init__(self, hub_class, config, corrected=False, **kwargs):
         from keras_mha.hub import table  # the table imports this module
 
         super().__init__(**kwargs)
@@ -72,6 +84,7 @@ class HubAttention(keras.layers.Layer):
         self.hub_class = hub_class
         self.entry = table.ADAPTERS[hub_class]
         self.config = dict(config)
+        self.corrected = bool(corrected)
         self.supports_masking = True
 
     def build(self, input_shape, *args, **kwargs):
@@ -80,14 +93,19 @@ class HubAttention(keras.layers.Layer):
             **options, dtype=self.dtype_policy, name="attention"
         )
         self.attention.build(input_shape, input_shape)
+        if self.entry.layers is not None:
+            for name, sublayer in self.entry.layers(self.config).items():
+                sublayer.build(input_shape)
+                setattr(self, name, sublayer)
 
     def call(self, *args, **kwargs):
-        return self.entry.call(self.attention, *args, **kwargs)
+        return _run(self, *args, **kwargs)
 
     def port(self, hub_layer):
         """Sets our layer's weights from `hub_layer` (the keras-hub layer replaced)."""
         for sublayer, values in self.entry.weights(hub_layer).items():
-            target = getattr(self.attention, sublayer)
+            owner = self.attention if hasattr(self.attention, sublayer) else self
+            target = getattr(owner, sublayer)
             variables = target.weights
             if len(variables) != len(values):
                 raise ValueError(
@@ -111,7 +129,12 @@ class HubAttention(keras.layers.Layer):
             else value
             for key, value in self.config.items()
         }
-        return {**super().get_config(), "hub_class": self.hub_class, "config": config}
+        return {
+            **super().get_config(),
+            "hub_class": self.hub_class,
+            "config": config,
+            "corrected": self.corrected,
+        }
 
     @classmethod
     def from_config(cls, config):
@@ -125,6 +148,11 @@ class HubAttention(keras.layers.Layer):
         return cls(config=hub, **config)
 
 
+def _run(layer, *args, **kwargs):
+    entry = layer.entry
+    return entry.call(layer if entry.with_layer else layer.attention, *args, **kwargs)
+
+
 @functools.cache
 def adapter_class(hub_cls):
     """`HubAttention` with `hub_cls.call`'s signature: Keras binds a layer's call
@@ -132,7 +160,7 @@ def adapter_class(hub_cls):
     so each keras-hub class gets its own."""
 
     def call(self, *args, **kwargs):
-        return self.entry.call(self.attention, *args, **kwargs)
+        return _run(self, *args, **kwargs)
 
     call.__signature__ = inspect.signature(hub_cls.call)
     return type(f"HubAttention[{hub_cls.__name__}]", (HubAttention,), {"call": call})
@@ -141,7 +169,8 @@ def adapter_class(hub_cls):
 def constructor_arguments(cls, args, kwargs):
     """`(config, layer_kwargs)`: the arguments of keras-hub class `cls`'s constructor
     by name, defaults filled in, and the base `Layer` arguments (`name`, `dtype`, ...)
-    it passed on through `**kwargs`."""
+    it passed on through `**kwargs`. A subclass's `**kwargs` are its keras-hub parent
+    constructor's arguments first (ESM's `EsmSelfAttention` on `RoformerAttention`)."""
     signature = inspect.signature(cls.__init__)
     bound = signature.bind(None, *args, **kwargs)
     bound.apply_defaults()
@@ -151,4 +180,8 @@ def constructor_arguments(cls, args, kwargs):
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             layer_kwargs = config.pop(name)
+    parent = next(c for c in cls.__mro__[1:] if "__init__" in vars(c))
+    if parent.__module__.startswith("keras_hub.") and layer_kwargs:
+        inherited, layer_kwargs = constructor_arguments(parent, (), layer_kwargs)
+        config = {**inherited, **config}
     return config, layer_kwargs
