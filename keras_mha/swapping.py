@@ -63,6 +63,7 @@ REBUILT = "rebuilt on keras_mha"
 MOVED = "moved from keras-hub's own class"
 ALREADY = "already keras_mha"
 LEFT = "left on the built-in"
+KEPT = "kept: keras-hub's own class, out of scope"
 
 _lock = threading.RLock()
 _depth = 0
@@ -147,14 +148,24 @@ def swap(model):
         eligible subclass rebuilt on ours. `model` itself is not changed.
 
     Raises:
-        ValueError: `model` is not a `keras.Model`, or holds no layer to swap.
+        ValueError: `model` is not a `keras.Model`, or holds no layer to swap (with
+            keras-hub's out-of-scope classes, `keras_mha.hub.OUT_OF_SCOPE`'s reasons).
     """
     if not isinstance(model, keras.Model):
         raise ValueError(
             "Received an invalid value for argument `model`, expected a `keras.Model`. "
             f"Received: model={type(model).__name__}"
         )
-    if any(hub.is_hub_attention(layer) for _, layer in attention_layers(model)):
+    layers = attention_layers(model)
+    if layers and all(hub.out_of_scope(x) for _, x in layers):
+        reasons = {type(x).__name__: hub.out_of_scope(x) for _, x in layers}
+        raise ValueError(
+            "Received an invalid value for argument `model`, expected a model holding "
+            f"an attention layer keras_mha moves. Received: model={model.name} ("
+            + "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+            + ")"
+        )
+    if any(hub.is_hub_attention(layer) for _, layer in layers):
         result = _swap_in_memory(model)
     else:
         with tempfile.TemporaryDirectory(prefix="keras-mha-swap-") as tmp:
@@ -490,9 +501,11 @@ def attention_layers(model):
     def visit(layer, path):
         for name, child in _children(layer):
             child_path = f"{path}/{name}" if path else name
-            if isinstance(
-                child, BUILTIN | layer_lib.MultiHeadAttention | hub.HubAttention
-            ) or hub.is_hub_attention(child):
+            if (
+                isinstance(child, BUILTIN | layer_lib.MultiHeadAttention | hub.HubAttention)
+                or hub.is_hub_attention(child)
+                or hub.out_of_scope(child)
+            ):
                 found.append((child_path, child))
             else:
                 visit(child, child_path)
@@ -520,8 +533,9 @@ def _children(layer):
 
 def swap_report(original, result):
     """One dict per attention layer of `original`: `path`, `before` and `after` (class
-    names), `status` (`SWAPPED`, `REBUILT`, `ALREADY` or `LEFT`), `config` (a summary)
-    and `reason` (for `LEFT`: the protected names that kept it on the built-in)."""
+    names), `status` (`SWAPPED`, `REBUILT`, `MOVED`, `ALREADY`, `LEFT` or `KEPT`),
+    `config` (a summary) and `reason` (for `LEFT`: the protected names that kept it on
+    the built-in; for `KEPT`: why keras-hub's class is out of scope)."""
     before, after = attention_layers(original), attention_layers(result)
     if len(before) != len(after):
         raise ValueError(
@@ -537,6 +551,8 @@ def swap_report(original, result):
             status = MOVED
         elif isinstance(new, layer_lib.MultiHeadAttention):
             status = SWAPPED if type(old) is BUILTIN else REBUILT
+        elif hub.out_of_scope(old):
+            status, reason = KEPT, hub.out_of_scope(old)
         else:
             status = LEFT
             reason = "uses " + ", ".join(unsupported_names(type(old)))
@@ -546,7 +562,9 @@ def swap_report(original, result):
                 "before": _class_name(old),
                 "after": _class_name(new) + (" on keras_mha" if status == REBUILT else ""),
                 "status": status,
-                "config": config_summary(new if isinstance(new, hub.HubAttention) else old),
+                "config": None
+                if status == KEPT
+                else config_summary(new if isinstance(new, hub.HubAttention) else old),
                 "reason": reason,
             }
         )

@@ -348,6 +348,22 @@ def test_encoder_padding_is_keras_hubs_unless_corrected(name):
     np.testing.assert_allclose(corrected, unpadded, atol=ATOL, rtol=1e-5)
 
 
+# ------------------------------------------------------------------ out of scope
+def test_swap_names_an_out_of_scope_class_and_its_reason():
+    backbone = models.DebertaV3Backbone(
+        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=8
+    )
+    model = models.DebertaV3TextClassifier(backbone, num_classes=2, preprocessor=None)
+    layers = swapping.attention_layers(model)
+    assert layers and all(hub.out_of_scope(x) for _, x in layers)
+    key = "keras_hub.src.models.deberta_v3.disentangled_self_attention.DisentangledSelfAttention"
+    with pytest.raises(ValueError) as info:
+        keras_mha.swap(model)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"DisentangledSelfAttention: {hub.OUT_OF_SCOPE[key]}" in message
+
+
 # --------------------------------------------------------------------------- guard
 def _language_model_packages():
     """keras-hub's model packages that define a language-model task."""

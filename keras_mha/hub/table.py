@@ -10,7 +10,7 @@ packages that are not moved, each with the reason (tests/test_hub.py's guard).
 
 import importlib
 
-FAMILIES = ("llama", "falcon", "bloom", "esm", "roformer", "t5")
+FAMILIES = ("llama", "falcon", "bloom", "esm", "roformer", "t5", "deberta")
 
 ADAPTERS = {}
 OUT_OF_SCOPE = {}
