@@ -56,7 +56,9 @@ class Case:
             and `value_dense`) are not in its attention (T5, ESM, RoFormer-v2 name
             theirs otherwise), ours has them, so the swapped model's query and
             value projections get LoRA factors, their biases staying trainable (the
-            entry's notes).
+            entry's notes); or "fused": keras-hub's target is a fused projection
+            (Qwen3.5's query and gate, `(dim, N, 2H)`), whose factors ours (the query
+            alone) cannot have: the same names are checked.
     """
 
     build: callable
@@ -93,6 +95,34 @@ def _bloom():
         vocabulary_size=VOCAB, num_layers=1, num_heads=4, hidden_dim=16, intermediate_dim=8
     )
     return models.BloomCausalLM(backbone, preprocessor=None)
+
+
+def _gpt_neo_x():
+    backbone = models.GPTNeoXBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=8,
+        rotary_percentage=0.5,
+        max_sequence_length=LENGTH,
+    )
+    return models.GPTNeoXCausalLM(backbone, preprocessor=None)
+
+
+def _qwen3_5():
+    backbone = models.Qwen3_5Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        hidden_dim=16,
+        intermediate_dim=8,
+        layer_types=["full_attention"],
+        partial_rotary_factor=0.5,
+    )
+    return models.Qwen3_5CausalLM(backbone, preprocessor=None)
 
 
 def _masked_lm_inputs(token_ids, padding_mask, segments=False):
@@ -158,6 +188,8 @@ ZOO = {
     "llama": Case(_llama),
     "falcon": Case(_falcon),
     "bloom": Case(_bloom),
+    "gpt_neo_x": Case(_gpt_neo_x, lora="added"),
+    "qwen3_5": Case(_qwen3_5, lora="fused"),
     "t5": Case(_t5, _seq2seq_inputs, generated="decoder_token_ids", lora="added"),
     "esm": Case(_esm, _masked_lm_inputs, generated=None, lora="added"),
     "roformer": Case(
@@ -300,6 +332,8 @@ def test_enable_lora_gives_the_same_trainable_weights(pair):
         names[1] = sorted((collections.Counter(names[1]) - added).elements())
     else:
         assert any("lora_kernel" in n for n, _ in names[0])
+    if ZOO[name].lora == "fused":
+        names = [[n for n, _ in each] for each in names]
     assert names[1] == names[0]
     inputs = _inputs(name)
     np.testing.assert_allclose(
@@ -346,6 +380,25 @@ def test_encoder_padding_is_keras_hubs_unless_corrected(name):
         assert np.abs(keras_hub_padded - unpadded).max() > 1e-3
     corrected = _logits(_corrected(swapped), inputs)[1, :-2]
     np.testing.assert_allclose(corrected, unpadded, atol=ATOL, rtol=1e-5)
+
+
+def test_gpt_neo_x_decoding_is_keras_hubs_unless_corrected():
+    """keras-hub's GPT-NeoX rotates a decoding step's query at position 0 (the entry's
+    notes): the swap keeps that; `corrected=True` gives the step a full call's logits."""
+    model, swapped = _pair("gpt_neo_x")
+    token_ids, _ = _tokens()
+    full = _logits(model, {"token_ids": token_ids, "padding_mask": np.ones_like(token_ids)})
+    t = LENGTH - 2
+
+    def step(lm):  # prefill every position, as `generate()` does, then decode `t`
+        _, cache = lm._build_cache(token_ids)
+        logits, _, _ = lm.call_with_cache(token_ids[:, t : t + 1], cache, t)
+        return to_numpy(logits)[:, 0]
+
+    keras_hub_step = step(model)
+    assert np.abs(keras_hub_step - full[:, t]).max() > 1e-3
+    np.testing.assert_allclose(step(swapped), keras_hub_step, atol=ATOL, rtol=1e-5)
+    np.testing.assert_allclose(step(_corrected(swapped)), full[:, t], atol=ATOL, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ out of scope

@@ -10,7 +10,17 @@ packages that are not moved, each with the reason (tests/test_hub.py's guard).
 
 import importlib
 
-FAMILIES = ("llama", "falcon", "bloom", "esm", "roformer", "t5", "deberta")
+FAMILIES = (
+    "llama",
+    "falcon",
+    "bloom",
+    "gpt_neo_x",
+    "esm",
+    "roformer",
+    "t5",
+    "deberta",
+    "qwen3_5",
+)
 
 ADAPTERS = {}
 OUT_OF_SCOPE = {}
