@@ -494,20 +494,21 @@ def _names(code):
 # -------------------------------------------------------------------------- report
 def attention_layers(model):
     """`(path, layer)` for each attention layer of `model` (the built-in, its
-    subclasses and ours), depth first in tracking order. A path is made of layer names
+    subclasses, ours, keras-hub's moved and out-of-scope classes), depth first in
+    tracking order. A path is made of layer names
     inside models and attribute names inside other layers (`block/att`)."""
     found = []
 
     def visit(layer, path):
         for name, child in _children(layer):
             child_path = f"{path}/{name}" if path else name
-            if (
-                isinstance(child, BUILTIN | layer_lib.MultiHeadAttention | hub.HubAttention)
-                or hub.is_hub_attention(child)
-                or hub.out_of_scope(child)
-            ):
+            if isinstance(
+                child, BUILTIN | layer_lib.MultiHeadAttention | hub.HubAttention
+            ) or hub.is_hub_attention(child):
                 found.append((child_path, child))
             else:
+                if hub.out_of_scope(child):  # kept; a built-in inside it still moves
+                    found.append((child_path, child))
                 visit(child, child_path)
 
     visit(model, "")

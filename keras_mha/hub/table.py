@@ -20,6 +20,8 @@ FAMILIES = (
     "t5",
     "deberta",
     "qwen3_5",
+    "blip2",
+    "pali_gemma",
 )
 
 ADAPTERS = {}
