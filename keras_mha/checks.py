@@ -317,6 +317,7 @@ def call_arguments(arguments, axes, num_heads, rotates=False, position_streams=N
         rotates=rotates,
         position_streams=position_streams,
     )
+    _key_positions(arguments.get("key_positions"), key_shape, rotates, position_streams)
     if cache is not None:
         return  # masks then cover the cache's positions; `call` checks them
     scores = scores_shape(query_shape, value_shape, axes, num_heads)
@@ -409,6 +410,24 @@ def packed(
                 f"the queries; keys: {shape_str(keys)}",
                 f"shape {shape_str(_shape(positions))}",
             )
+
+
+def _key_positions(key_positions, key_shape, rotates, position_streams):
+    """The keys' own RoPE positions: integer `(B, S)` (`S` the keys passed, not a
+    cache's length; M-RoPE's `(B, P, S)` too), on a layer with rotary embeddings."""
+    if key_positions is None:
+        return
+    if not rotates or len(key_shape) != 3:
+        raise invalid(
+            "key_positions",
+            "`None` unless the layer has rotary embeddings (`rope_max_wavelength`) and the "
+            "inputs are (B, T, dim) sequences",
+            f"shape {shape_str(_shape(key_positions))}",
+        )
+    expected = tuple(key_shape[:2])
+    if position_streams is not None and len(_shape(key_positions)) == 3:
+        expected = (expected[0], position_streams, expected[1])
+    _integer_ids("key_positions", key_positions, expected)
 
 
 def _integer_ids(name, value, expected_shape):

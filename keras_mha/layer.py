@@ -25,7 +25,7 @@ FULLY_MASKED_ROWS = ("zero", "builtin")
 DROPOUT_ON = ("weights", "output")
 _MASK_ARGUMENTS = ("query_mask", "value_mask", "key_mask", "attention_mask")
 # Packed rows: integer per-position arguments, given as lists too.
-_ID_ARGUMENTS = ("segment_ids", "key_segment_ids", "positions")
+_ID_ARGUMENTS = ("segment_ids", "key_segment_ids", "positions", "key_positions")
 # Call flags -> what `None` means: no causal mask, as the built-in reads it; the
 # constructor's default for the scores.
 _FLAG_ARGUMENTS = {"use_causal_mask": False, "return_attention_scores": None}
@@ -275,6 +275,12 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             queries and the new keys. Needs `rope_max_wavelength`. With
             `rope_scaling={"type": "mrope", ...}`, also `(B, 3, T)`: time, height
             and width positions per token.
+        key_positions: Optional `(B, S)` integer RoPE positions of the keys passed
+            (the new ones, with a cache), when they are not the queries'
+            (`positions`, or `cache_update_index + s`): e.g. queries rotated at
+            `t` while the keys sit at `cache_update_index + s`, what keras-hub's
+            GPT-NeoX computes when decoding. `None` rotates them as the queries.
+            Needs `rope_max_wavelength`; M-RoPE also takes `(B, 3, S)`.
 
     Returns:
         output: `(B, T, dim)`, or `(B, T) + output_shape` when given.
@@ -667,6 +673,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         key_segment_ids=None,
         positions=None,
         cache_update_mask=None,
+        key_positions=None,
     ):
         if key is None:
             key = value
@@ -710,7 +717,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             if positions is None and segment_ids is not None and cache is None:
                 positions = rope.segment_positions(segment_ids)  # restart per document
             projected_query = self._rotate(projected_query, start, positions)
-            projected_key = self._rotate(projected_key, start, positions)
+            if key_positions is None:
+                key_positions = positions
+            projected_key = self._rotate(projected_key, start, key_positions)
         if cache is not None:
             if cache_update_index is not None:
                 cache = cache_lib.update(
@@ -1099,6 +1108,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         key_segment_ids=None,
         positions=None,
         cache_update_mask=None,
+        key_positions=None,
     ):
         key_shape = None if key is None else key.shape
         output = keras.KerasTensor(

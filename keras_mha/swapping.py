@@ -64,6 +64,7 @@ MOVED = "moved from keras-hub's own class"
 MOVED_STATUSES = (SWAPPED, REBUILT, MOVED)  # the layer runs on ours after the swap
 ALREADY = "already keras_mha"
 LEFT = "left on the built-in"
+KEPT = "kept: keras-hub's own class, out of scope"
 
 _lock = threading.RLock()
 _depth = 0
@@ -148,14 +149,24 @@ def swap(model):
         eligible subclass rebuilt on ours. `model` itself is not changed.
 
     Raises:
-        ValueError: `model` is not a `keras.Model`, or holds no layer to swap.
+        ValueError: `model` is not a `keras.Model`, or holds no layer to swap (with
+            keras-hub's out-of-scope classes, `keras_mha.hub.OUT_OF_SCOPE`'s reasons).
     """
     if not isinstance(model, keras.Model):
         raise ValueError(
             "Received an invalid value for argument `model`, expected a `keras.Model`. "
             f"Received: model={type(model).__name__}"
         )
-    if any(hub.is_hub_attention(layer) for _, layer in attention_layers(model)):
+    layers = attention_layers(model)
+    if layers and all(hub.out_of_scope(x) for _, x in layers):
+        reasons = {type(x).__name__: hub.out_of_scope(x) for _, x in layers}
+        raise ValueError(
+            "Received an invalid value for argument `model`, expected a model holding "
+            f"an attention layer keras_mha moves. Received: model={model.name} ("
+            + "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+            + ")"
+        )
+    if any(hub.is_hub_attention(layer) for _, layer in layers):
         result = _swap_in_memory(model)
     else:
         with tempfile.TemporaryDirectory(prefix="keras-mha-swap-") as tmp:
@@ -505,7 +516,8 @@ def _names(code):
 # -------------------------------------------------------------------------- report
 def attention_layers(model):
     """`(path, layer)` for each attention layer of `model` (the built-in, its
-    subclasses and ours), depth first in tracking order. A path is made of layer names
+    subclasses, ours, keras-hub's moved and out-of-scope classes), depth first in
+    tracking order. A path is made of layer names
     inside models and attribute names inside other layers (`block/att`)."""
     found = []
 
@@ -517,6 +529,8 @@ def attention_layers(model):
             ) or hub.is_hub_attention(child):
                 found.append((child_path, child))
             else:
+                if hub.out_of_scope(child):  # kept; a built-in inside it still moves
+                    found.append((child_path, child))
                 visit(child, child_path)
 
     visit(model, "")
@@ -542,8 +556,9 @@ def _children(layer):
 
 def swap_report(original, result):
     """One dict per attention layer of `original`: `path`, `before` and `after` (class
-    names), `status` (`SWAPPED`, `REBUILT`, `ALREADY` or `LEFT`), `config` (a summary)
-    and `reason` (for `LEFT`: the protected names that kept it on the built-in)."""
+    names), `status` (`SWAPPED`, `REBUILT`, `MOVED`, `ALREADY`, `LEFT` or `KEPT`),
+    `config` (a summary) and `reason` (for `LEFT`: the protected names that kept it on
+    the built-in; for `KEPT`: why keras-hub's class is out of scope)."""
     before, after = attention_layers(original), attention_layers(result)
     if len(before) != len(after):
         raise ValueError(
@@ -559,6 +574,8 @@ def swap_report(original, result):
             status = MOVED
         elif isinstance(new, layer_lib.MultiHeadAttention):
             status = SWAPPED if type(old) is BUILTIN else REBUILT
+        elif hub.out_of_scope(old):
+            status, reason = KEPT, hub.out_of_scope(old)
         else:
             status = LEFT
             reason = "uses " + ", ".join(unsupported_names(type(old)))
@@ -568,7 +585,9 @@ def swap_report(original, result):
                 "before": _class_name(old),
                 "after": _class_name(new) + (" on keras_mha" if status == REBUILT else ""),
                 "status": status,
-                "config": config_summary(new if isinstance(new, hub.HubAttention) else old),
+                "config": None
+                if status == KEPT
+                else config_summary(new if isinstance(new, hub.HubAttention) else old),
                 "reason": reason,
             }
         )

@@ -258,6 +258,7 @@ def reference_mha(
     attention_bias=None,
     output_keep=None,
     positions=None,
+    key_positions=None,
 ):
     """Float64 NumPy forward pass of a built `MultiHeadAttention` (ours or built-in).
 
@@ -278,6 +279,7 @@ def reference_mha(
             `context * keep / (1 - rate)` before the output projection.
         positions: RoPE positions of the queries and keys (self-attention): `None`
             (`t`), `(B, T)`, or M-RoPE's `(B, 3, T)`.
+        key_positions: the keys' own RoPE positions, when not `positions`.
 
     Returns:
         `(output, scores)` as float64 arrays; fully-masked rows have zero scores.
@@ -303,6 +305,8 @@ def reference_mha(
             interleaved=getattr(layer, "_rope_interleaved", False),
         )
         q = rope(q, 0, wavelength, layer._rope_scaling_factor, **options)
+        if key_positions is not None:
+            options["positions"] = key_positions
         k = rope(k, 0, wavelength, layer._rope_scaling_factor, **options)
     repeats = layer.num_heads // getattr(layer, "num_key_value_heads", layer.num_heads)
     k, v = np.repeat(k, repeats, axis=-2), np.repeat(v, repeats, axis=-2)

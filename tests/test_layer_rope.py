@@ -255,6 +255,68 @@ def test_mrope_without_streams_is_plain_partial_rope(rng):
     )
 
 
+def _gpt_neo_x_positions(batch=B, length=T):
+    """Query positions as keras-hub's GPT-NeoX rotates them when decoding: the prefill
+    at `0..PREFILL-1`, each step at 0."""
+    positions = np.concatenate([np.arange(PREFILL), np.zeros(length - PREFILL)])
+    return np.tile(positions.astype("int32"), (batch, 1))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_key_positions_match_float64_reference(rng, implementation):
+    """Keys rotated at their own positions (`key_positions`), queries at theirs."""
+    layer = _layer("prefix", implementation)
+    x, padding = _inputs(rng)
+    positions = _gpt_neo_x_positions()
+    keys = np.tile(np.arange(T, dtype="int32"), (B, 1))
+    out = layer(
+        x, x, value_mask=padding, use_causal_mask=True, positions=positions, key_positions=keys
+    )
+    expected = _reference(layer, x, padding, positions=positions, key_positions=keys)
+    np.testing.assert_allclose(to_numpy(out), expected, atol=ATOL)
+    plain = _reference(layer, x, padding, positions=positions)
+    assert np.abs(expected - plain).max() > 1e-3  # the keys' positions count
+
+
+def test_key_positions_with_a_cache(rng):
+    """GPT-NeoX's decoding (keras-hub rotates each step's query at 0 and the cached
+    keys at their positions): steps with `positions` 0 and `key_positions` at the
+    cache index equal the reference with those positions."""
+    layer = _layer("prefix")
+    x, _ = _inputs(rng)
+    positions = _gpt_neo_x_positions()
+    cache = layer.init_cache(B, T)
+    out, cache = layer(
+        x[:, :PREFILL], x[:, :PREFILL], cache=cache, cache_update_index=0, use_causal_mask=True
+    )
+    steps = [to_numpy(out)]
+    for t in range(PREFILL, T):
+        token = x[:, t : t + 1]
+        out, cache = layer(
+            token,
+            token,
+            cache=cache,
+            cache_update_index=t,
+            use_causal_mask=True,
+            positions=np.zeros((B, 1), "int32"),
+            key_positions=np.full((B, 1), t, "int32"),
+        )
+        steps.append(to_numpy(out))
+    keys = np.tile(np.arange(T, dtype="int32"), (B, 1))
+    expected = reference_mha(
+        layer, x, x, use_causal_mask=True, positions=positions, key_positions=keys
+    )[0]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), expected, atol=ATOL)
+
+
+def test_key_positions_need_rotary_embeddings(rng):
+    layer = keras_mha.MultiHeadAttention(HEADS, KEY_DIM)
+    x, _ = _inputs(rng)
+    with pytest.raises(ValueError, match="argument `key_positions`"):
+        layer(x, x, key_positions=np.zeros((B, T), "int32"))
+    assert not layer.built
+
+
 # ------------------------------------------------------------------ config, saving
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_config_round_trips(variant):

@@ -19,11 +19,12 @@ from keras_mha.hub.table import ADAPTERS, OUT_OF_SCOPE
 
 __all__ = [
     "ADAPTERS",
-    "common",
-    "OUT_OF_SCOPE",
     "HubAttention",
+    "OUT_OF_SCOPE",
+    "common",
     "describe_masks",
     "hub_classes",
+    "out_of_scope",
     "patch",
     "set_packed",
     "unpatch",
@@ -32,12 +33,13 @@ __all__ = [
 _saved = {}  # class -> its own `__new__` (or None) while patched
 
 
-def hub_classes():
-    """`{class: key}` for the table's classes, when keras-hub is imported (else `{}`)."""
+def hub_classes(keys=ADAPTERS):
+    """`{class: key}` for the table's classes (or `keys`'), when keras-hub is imported
+    (else `{}`)."""
     if "keras_hub" not in sys.modules:
         return {}
     found = {}
-    for key in ADAPTERS:
+    for key in keys:
         module_name, _, class_name = key.rpartition(".")
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
@@ -50,6 +52,12 @@ def hub_classes():
 def is_hub_attention(layer):
     """Whether `layer` is one of the table's keras-hub attention classes."""
     return type(layer) in hub_classes()
+
+
+def out_of_scope(layer):
+    """Why `layer`'s keras-hub attention class does not move (`OUT_OF_SCOPE`), or `None`."""
+    key = hub_classes(OUT_OF_SCOPE).get(type(layer))
+    return None if key is None else OUT_OF_SCOPE[key]
 
 
 def patch():

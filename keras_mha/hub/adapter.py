@@ -41,6 +41,12 @@ class Entry:
         attributes: `None`, or `(config) -> dict`: attributes of the keras-hub layer
             that its model reads (SmolLM3's decoder reads `self_attn.head_dim`),
             set on the layer that takes its place.
+        layers: `None`, or `(config) -> {name: layer}`: layers of the keras-hub class's
+            own that our layer has no place for (T5's relative position bias table),
+            built beside `attention` and set as attributes of the `HubAttention`
+            (`weights` may name them).
+        with_layer: Whether `call` receives the `HubAttention` (its `attention`,
+            `corrected` and `layers`) instead of our layer.
     """
 
     options: callable
@@ -49,6 +55,8 @@ class Entry:
     decoder_mask: callable = None
     notes: tuple = ()
     attributes: callable = None
+    layers: callable = None
+    with_layer: bool = False
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -59,6 +67,10 @@ class HubAttention(keras.layers.Layer):
         hub_class: The keras-hub class it stands for, `"module.ClassName"` (a key of
             `keras_mha.hub.table.ADAPTERS`).
         config: The arguments that class was constructed with, by name.
+        corrected: Where keras-hub's class is wrong (the entry's `notes` say where:
+            e.g. GPT-NeoX's cached decoding), `False` (the default) keeps what it
+            computes, so a swap keeps the model's outputs; `True` computes the
+            correct result instead. It may be set on the layer before its first call.
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -68,7 +80,7 @@ class HubAttention(keras.layers.Layer):
         What the keras-hub class returns (an output, or `(output, cache)`).
     """
 
-    def __init__(self, hub_class, config, **kwargs):
+    def __init__(self, hub_class, config, corrected=False, **kwargs):
         from keras_mha.hub import table  # the table imports this module
 
         super().__init__(**kwargs)
@@ -81,6 +93,7 @@ class HubAttention(keras.layers.Layer):
         self.hub_class = hub_class
         self.entry = table.ADAPTERS[hub_class]
         self.config = dict(config)
+        self.corrected = bool(corrected)
         self.supports_masking = True
         if self.entry.attributes is not None:
             for name, value in self.entry.attributes(self.config).items():
@@ -96,14 +109,19 @@ class HubAttention(keras.layers.Layer):
             **options, dtype=self.dtype_policy, name="attention"
         )
         self.attention.build(input_shape, input_shape)
+        if self.entry.layers is not None:
+            for name, sublayer in self.entry.layers(self.config).items():
+                sublayer.build(input_shape)
+                setattr(self, name, sublayer)
 
     def call(self, *args, **kwargs):
-        return self.entry.call(self.attention, *args, **kwargs)
+        return _run(self, *args, **kwargs)
 
     def port(self, hub_layer):
         """Sets our layer's weights from `hub_layer` (the keras-hub layer replaced)."""
         for sublayer, values in self.entry.weights(hub_layer).items():
-            target = getattr(self.attention, sublayer)
+            owner = self.attention if hasattr(self.attention, sublayer) else self
+            target = getattr(owner, sublayer)
             variables = target.weights
             if len(variables) != len(values):
                 raise ValueError(
@@ -127,7 +145,12 @@ class HubAttention(keras.layers.Layer):
             else value
             for key, value in self.config.items()
         }
-        return {**super().get_config(), "hub_class": self.hub_class, "config": config}
+        return {
+            **super().get_config(),
+            "hub_class": self.hub_class,
+            "config": config,
+            "corrected": self.corrected,
+        }
 
     @classmethod
     def from_config(cls, config):
@@ -141,6 +164,11 @@ class HubAttention(keras.layers.Layer):
         return cls(config=hub, **config)
 
 
+def _run(layer, *args, **kwargs):
+    entry = layer.entry
+    return entry.call(layer if entry.with_layer else layer.attention, *args, **kwargs)
+
+
 @functools.cache
 def adapter_class(hub_cls):
     """`HubAttention` with `hub_cls.call`'s signature: Keras binds a layer's call
@@ -149,7 +177,7 @@ def adapter_class(hub_cls):
     has one of its own."""
 
     def call(self, *args, **kwargs):
-        return self.entry.call(self.attention, *args, **kwargs)
+        return _run(self, *args, **kwargs)
 
     call.__signature__ = inspect.signature(hub_cls.call)
     methods = {"call": call}
@@ -163,7 +191,8 @@ def adapter_class(hub_cls):
 def constructor_arguments(cls, args, kwargs):
     """`(config, layer_kwargs)`: the arguments of keras-hub class `cls`'s constructor
     by name, defaults filled in, and the base `Layer` arguments (`name`, `dtype`, ...)
-    it passed on through `**kwargs`."""
+    it passed on through `**kwargs`. A subclass's `**kwargs` are its keras-hub parent
+    constructor's arguments first (ESM's `EsmSelfAttention` on `RoformerAttention`)."""
     signature = inspect.signature(cls.__init__)
     bound = signature.bind(None, *args, **kwargs)
     bound.apply_defaults()
@@ -173,4 +202,8 @@ def constructor_arguments(cls, args, kwargs):
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             layer_kwargs = config.pop(name)
+    parent = next(c for c in cls.__mro__[1:] if "__init__" in vars(c))
+    if parent.__module__.startswith("keras_hub.") and layer_kwargs:
+        inherited, layer_kwargs = constructor_arguments(parent, (), layer_kwargs)
+        config = {**inherited, **config}
     return config, layer_kwargs

@@ -160,11 +160,6 @@ OUT_OF_SCOPE = {
         "patches, Dense (dim, dim) projections with biases, no cache): not a language "
         "model's attention; keras-hub's own images-in path is left as it is"
     ),
-    _MODELS + "pali_gemma.pali_gemma_vit.PaliGemmaVitAttention": (
-        "the SigLIP vision tower of PaliGemma (CLIP-style attention over image patches, "
-        "Dense (dim, dim) projections with biases, no cache): not a language model's "
-        "attention; PaliGemma's Gemma decoder holds CachedGemmaAttention"
-    ),
     _MODELS + "gemma3n.gemma3n_attention.Gemma3nAudioAttention": (
         "the audio tower of Gemma 3n: chunked local attention (query blocks against a "
         "left/right context of keys), relative-position logits and a learned softplus "

@@ -10,7 +10,26 @@ packages that are not moved, each with the reason (tests/test_hub.py's guard).
 
 import importlib
 
-FAMILIES = ("llama", "mistral", "qwen", "smollm3", "phi3", "gemma", "gpt_oss", "t5gemma")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen",
+    "smollm3",
+    "phi3",
+    "gemma",
+    "gpt_oss",
+    "t5gemma",
+    "falcon",
+    "bloom",
+    "gpt_neo_x",
+    "esm",
+    "roformer",
+    "t5",
+    "deberta",
+    "qwen3_5",
+    "blip2",
+    "pali_gemma",
+)
 
 ADAPTERS = {}
 OUT_OF_SCOPE = {}

@@ -1,0 +1,80 @@
+"""Bloom: `BloomAttention` (ALiBi computed inside the attention, as keras-hub's
+`AlibiBias` does)."""
+
+import math
+
+from keras import ops
+
+from keras_mha.hub import common, layout
+from keras_mha.hub.adapter import Entry
+
+
+def _options(config, dim):
+    heads = config["num_heads"]
+    return dict(
+        num_heads=heads,
+        key_dim=dim // heads,
+        use_bias=True,
+        dropout=config["dropout"],
+        kernel_initializer=common.clone(config["kernel_initializer"]),
+        bias_initializer=common.clone(config["bias_initializer"]),
+        fully_masked_rows="builtin",
+    )
+
+
+def alibi_slopes(num_heads, max_bias=8):
+    """ALiBi's per-head slopes: a geometric sequence from `2 ** (-max_bias / n)` with
+    that ratio for the `n` (a power of 2) first heads, the odd ones of `2n` after."""
+
+    def power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - math.log2(max_bias))))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_2(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return power_of_2(closest) + alibi_slopes(2 * closest, max_bias)[0::2][: num_heads - closest]
+
+
+def alibi(num_heads, key_length, dtype):
+    """`(1, N, 1, S)`: slope times `s - (S - 1)` (keras-hub's `AlibiBias`, added after
+    the scale; with a cache, `S` is its length)."""
+    slopes = ops.convert_to_tensor(alibi_slopes(num_heads), dtype=dtype)
+    distance = ops.cast(ops.arange(1 - key_length, 1, dtype="int32"), dtype)
+    return ops.multiply(slopes[:, None], distance[None, :])[None, :, None, :]
+
+
+def _call(attention, hidden_states, attention_mask=None, cache=None, cache_update_index=None):
+    length = ops.shape(hidden_states)[1] if cache is None else ops.shape(cache)[2]
+    return attention(
+        hidden_states,
+        hidden_states,
+        attention_mask=attention_mask,
+        cache=cache,
+        cache_update_index=cache_update_index,
+        attention_bias=alibi(attention.num_heads, length, attention.compute_dtype),
+    )
+
+
+def _weights(layer):
+    return {
+        "query_dense": layout.values(layer._query_dense),
+        "key_dense": layout.values(layer._key_dense),
+        "value_dense": layout.values(layer._value_dense),
+        "output_dense": layout.output_heads(layer._output_dense, layer.num_heads),
+    }
+
+
+ADAPTERS = {
+    "keras_hub.src.models.bloom.bloom_attention.BloomAttention": Entry(
+        options=_options,
+        call=_call,
+        weights=_weights,
+        notes=(
+            "ALiBi (keras-hub's `AlibiBias`: slopes `2 ** (-8 i / N)`, keys' absolute "
+            "positions, after the scale) as `attention_bias`.",
+            "Dropout: keras-hub drops the attention weights and, with the same rate, the "
+            "output; ours drops the weights only (equal without dropout or in inference).",
+        ),
+    ),
+}
