@@ -70,6 +70,34 @@ LONG_MASKED = dataclasses.replace(LONG, name="T=8192 padded+causal", masked=True
 CONFIGS = {c.name: c for c in (SHORT, SHORT_MASKED, LONG, LONG_MASKED)}
 
 
+
+@dataclasses.dataclass(frozen=True)
+class Small:
+    """A keras.io-sized model, where a call's fixed cost shows: token ids ->
+    `Embedding(mask_zero=True)` (unmasked: `mask_zero=False`) -> attention -> pooling ->
+    a dense head. `kind`: "padded" (the Embedding's Keras mask), "padded+causal"
+    (also `use_causal_mask=True`), "unmasked", or "classifier": keras.io's text
+    classifier, a `TransformerBlock` holding the attention, then
+    `x + attention(x, x, use_causal_mask=True)`, padded."""
+
+    name: str
+    batch: int
+    length: int
+    kind: str
+
+
+SMALL_DIM, SMALL_HEADS, SMALL_VOCAB = 32, 2, 1000
+SMALL = {
+    c.name: c
+    for c in [Small("classifier B=4 T=12", 4, 12, "classifier")]
+    + [
+        Small(f"B={b} T={t} {kind}", b, t, kind)
+        for b, t in ((4, 12), (16, 32))
+        for kind in ("padded", "padded+causal", "unmasked")
+    ]
+}
+
+
 # ----------------------------------------------------------------- child process side
 def _model(which, config):
     import keras
@@ -208,6 +236,86 @@ def pairs_worker(name, pairs, steps):
     return result
 
 
+
+def _small_model(config, ours):
+    """`config`'s model (a `Small`) with the built-in, or with ours where the built-in
+    would be (`keras_mha.swapped()`, as `keras-mha swap` builds it)."""
+    import contextlib
+
+    import keras
+    from keras import layers
+
+    import keras_mha
+
+    class TransformerBlock(layers.Layer):
+        """keras.io's block: attention, then a feed-forward net, each with a residual
+        and a layer norm."""
+
+        def __init__(self, dim, heads, **kwargs):
+            super().__init__(**kwargs)
+            self.supports_masking = True
+            self.att = layers.MultiHeadAttention(num_heads=heads, key_dim=dim)
+            self.ffn = keras.Sequential([layers.Dense(dim, activation="relu"), layers.Dense(dim)])
+            self.norm1 = layers.LayerNormalization(epsilon=1e-6)
+            self.norm2 = layers.LayerNormalization(epsilon=1e-6)
+
+        def call(self, x):
+            x = self.norm1(x + self.att(x, x))
+            return self.norm2(x + self.ffn(x))
+
+    keras.utils.set_random_seed(0)
+    b, t, d, heads = config.batch, config.length, SMALL_DIM, SMALL_HEADS
+    with keras_mha.swapped() if ours else contextlib.nullcontext():
+        tokens = keras.Input((t,), batch_size=b, dtype="int32")
+        x = layers.Embedding(SMALL_VOCAB, d, mask_zero=config.kind != "unmasked")(tokens)
+        if config.kind == "classifier":
+            x = TransformerBlock(d, heads)(x)
+            x = x + layers.MultiHeadAttention(heads, d)(x, x, use_causal_mask=True)
+        else:
+            causal = config.kind == "padded+causal"
+            x = layers.MultiHeadAttention(heads, d)(x, x, use_causal_mask=causal)
+        x = layers.GlobalAveragePooling1D()(x)
+        outputs = layers.Dense(2, activation="softmax")(x)
+    model = keras.Model(tokens, outputs)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _small_data(config):
+    """Token ids with zero padding at the tails (lengths from T/2 to T, one row
+    whole) and labels."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    b, t = config.batch, config.length
+    tokens = rng.integers(1, SMALL_VOCAB, (b, t)).astype("int32")
+    if config.kind != "unmasked":
+        lengths = rng.integers(t // 2, t + 1, b)
+        lengths[0] = t
+        tokens[np.arange(t)[None, :] >= lengths[:, None]] = 0
+    return tokens, rng.integers(0, 2, (b,)).astype("int32")
+
+
+def small_worker(name, pairs):
+    """Ours against the built-in (identical weights) on one small model: medians of
+    `pairs` alternated rounds of `predict_on_batch` and `train_on_batch`."""
+    config = SMALL[name]
+    ours, builtin = _small_model(config, ours=True), _small_model(config, ours=False)
+    layer_names = {type(layer).__module__ for layer in ours._flatten_layers()}
+    assert any(n.startswith("keras_mha") for n in layer_names), layer_names
+    builtin.set_weights(ours.get_weights())
+    tokens, labels = _small_data(config)
+    result = {"config": name}
+    for step in ("predict", "train"):
+        if step == "predict":
+            functions = [lambda m=m: m.predict_on_batch(tokens) for m in (ours, builtin)]
+        else:
+            functions = [lambda m=m: m.train_on_batch(tokens, labels) for m in (ours, builtin)]
+        (o, b), spread = _median_pairs(functions, pairs, warmup=5)
+        result[step] = dict(ours_ms=o * 1e3, builtin_ms=b * 1e3, ratio=o / b, quartiles=spread)
+    return result
+
+
 def point_worker(which, name, length, step, repeats):
     """One layer, one step at `length`: warm-up call, then the median of `repeats`
     timed calls, and the process's peak RSS."""
@@ -226,6 +334,8 @@ def point_worker(which, name, length, step, repeats):
 def _child(args):
     if args.worker == "pairs":
         result = pairs_worker(args.config, args.pairs, args.steps.split(","))
+    elif args.worker == "small":
+        result = small_worker(args.config, args.pairs)
     else:
         result = point_worker(args.which, args.config, args.length, args.step, args.repeats)
     print("RESULT " + json.dumps(result), flush=True)
@@ -549,7 +659,7 @@ def main(argv=None):
         action="store_true",
         help="rebuild the reports from OUT/raw/BACKEND.json (one file per backend's last run)",
     )
-    parser.add_argument("--worker", choices=("pairs", "point"), help="internal")
+    parser.add_argument("--worker", choices=("pairs", "point", "small"), help="internal")
     parser.add_argument("--config", help="internal")
     parser.add_argument("--steps", help="internal")
     parser.add_argument("--which", choices=("ours", "builtin"), help="internal")
