@@ -500,9 +500,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             args, kwargs = _as_the_builtin_reads_them(bound, args, kwargs)
             if type(self).call is MultiHeadAttention.call:
                 # A subclass's own `call` gives its arguments its own meaning.
-                arguments = bound.signature.bind(*args, **kwargs).arguments
                 checks.call_arguments(
-                    arguments,
+                    bound.arguments,
                     self._attention_axes,
                     self._num_heads,
                     rotates=self._rope_max_wavelength is not None,
@@ -967,11 +966,13 @@ def _as_the_builtin_reads_them(bound, args, kwargs):
     flags given as ints or NumPy bools (which Keras would turn into tensors) become
     Python bools, masks given as (nested) lists become NumPy arrays (which Keras turns
     into tensors). Everything else is passed on as given; invalid flags are rejected.
+    `bound.arguments` gets the same replacements.
     """
     args, kwargs = list(args), dict(kwargs)
     positions = list(bound.signature.parameters)
 
     def replace(name, value):
+        bound.arguments[name] = value
         if name in kwargs:
             kwargs[name] = value
         else:
