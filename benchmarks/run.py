@@ -16,6 +16,12 @@ per process), through `predict_on_batch` / `train_on_batch` of a functional mode
 - scaling: time and peak memory of one forward and one train step, padded + causal,
   T = 512 ... 32768, ours and the built-in, a fresh process per point; a point whose
   process passes `--memory-limit` GiB (or `--time-limit` s) is killed and reported so.
+- small models (`--only small` runs this section alone, into `small.md`): keras.io-sized
+  models, dim 32, 2 heads, where a call's fixed cost shows: keras.io's text classifier
+  (B=4, T=12; a `TransformerBlock`, then a causal attention), and one attention layer
+  at B=4, T=12 and B=16, T=32, padded, padded + causal and unmasked (`Small`). Ours is
+  built where the built-in would be (`keras_mha.swapped()`, as `keras-mha swap` builds
+  it), with the built-in's weights.
 
 Peak RSS is what the process holds, allocator included: glibc keeps freed buffers of
 up to 32 MiB for reuse (faster than mapping fresh pages), so a kernel that works in
@@ -23,6 +29,7 @@ chunks shows more than it holds live at once. Both layers run with the defaults.
 
     .venv/bin/python benchmarks/run.py                 # every backend, ~40 minutes on 2 cores
     .venv/bin/python benchmarks/run.py --backends jax --pairs 5 --no-scaling
+    .venv/bin/python benchmarks/run.py --only small      # the small models, ~10 minutes
 """
 
 import argparse
@@ -68,7 +75,6 @@ SHORT_MASKED = dataclasses.replace(SHORT, name="B=8 T=256 padded+causal", masked
 LONG = Config("T=8192", 1, 8192, 256, 4, masked=False)
 LONG_MASKED = dataclasses.replace(LONG, name="T=8192 padded+causal", masked=True)
 CONFIGS = {c.name: c for c in (SHORT, SHORT_MASKED, LONG, LONG_MASKED)}
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +242,6 @@ def pairs_worker(name, pairs, steps):
     return result
 
 
-
 def _small_model(config, ours):
     """`config`'s model (a `Small`) with the built-in, or with ours where the built-in
     would be (`keras_mha.swapped()`, as `keras-mha swap` builds it)."""
@@ -299,10 +304,13 @@ def _small_data(config):
 def small_worker(name, pairs):
     """Ours against the built-in (identical weights) on one small model: medians of
     `pairs` alternated rounds of `predict_on_batch` and `train_on_batch`."""
+    import keras_mha
+
     config = SMALL[name]
     ours, builtin = _small_model(config, ours=True), _small_model(config, ours=False)
-    layer_names = {type(layer).__module__ for layer in ours._flatten_layers()}
-    assert any(n.startswith("keras_mha") for n in layer_names), layer_names
+    swapped = [x for x in ours._flatten_layers() if isinstance(x, keras_mha.MultiHeadAttention)]
+    if len(swapped) != (2 if config.kind == "classifier" else 1):
+        raise RuntimeError(f"{name}: ours is not where the built-in would be")
     builtin.set_weights(ours.get_weights())
     tokens, labels = _small_data(config)
     result = {"config": name}
@@ -433,6 +441,45 @@ def run_backend(backend, args):
         record["scaling_started"] = record["started"]
     print(json.dumps(record), flush=True)
     return record
+
+
+def run_small(backend, args):
+    """The small models' section: `{"backend", "started", "load", name: result}`."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {"backend": backend, "started": now.strftime("%Y-%m-%d %H:%M UTC")}
+    record["load"] = os.getloadavg()[0]  # the machine is shared: how busy it was
+    for name in SMALL:
+        print(f"[{backend}] small {name} ...", flush=True)
+        worker = ["--worker", "small", "--config", name, "--pairs", str(args.small_pairs)]
+        record[name] = _spawn(backend, worker)
+    return record
+
+
+def small_markdown(records, args):
+    lines = [
+        f"Measured ({_when(records)}) on {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"no GPU, with `benchmarks/run.py --only small` (a section of `make bench`), "
+        f"through `predict_on_batch`/`train_on_batch`; load average (1 min) when each "
+        f"backend started: "
+        + ", ".join(f"{r['backend']} {r['load']:.1f}" for r in records)
+        + f". Ratios are ours / built-in (below 1: ours is faster), the medians of "
+        f"{args.small_pairs} alternated rounds, then the first and third quartiles of "
+        f"the per-round ratios. Dim {SMALL_DIM}, {SMALL_HEADS} heads, token ids padded "
+        f"at the tails (lengths T/2 to T, one row whole) under `Embedding(mask_zero=True)`; "
+        f'ours built by `keras_mha.swapped()` (`fully_masked_rows="builtin"`).',
+        "",
+        "| backend | model | predict ours ms | built-in | ratio | train ours ms | built-in "
+        "| ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        for name in SMALL:
+            p, t = r[name]["predict"], r[name]["train"]
+            lines.append(
+                f"| {r['backend']} | {name} | {p['ours_ms']:.2f} | {p['builtin_ms']:.2f} "
+                f"| {_ratio(p)} | {t['ours_ms']:.2f} | {t['builtin_ms']:.2f} | {_ratio(t)} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def scaling(backend, args):
@@ -653,6 +700,10 @@ def main(argv=None):
     parser.add_argument("--scaling-lengths", nargs="+", type=int, default=list(SCALING_LENGTHS))
     parser.add_argument("--memory-limit", type=float, default=16.0, help="GiB per process")
     parser.add_argument("--time-limit", type=float, default=900.0, help="seconds per process")
+    parser.add_argument("--small-pairs", type=int, default=101)
+    parser.add_argument(
+        "--only", choices=("small",), help="run one section: the small models (small.md)"
+    )
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument(
         "--report-only",
@@ -674,6 +725,10 @@ def main(argv=None):
     os.makedirs(raw, exist_ok=True)
     if not args.report_only:
         for backend in args.backends:
+            with open(os.path.join(raw, f"small-{backend}.json"), "w") as f:
+                json.dump(run_small(backend, args), f, indent=1)
+            if args.only == "small":
+                continue
             record = run_backend(backend, args)
             previous = os.path.join(raw, f"{backend}.json")
             if not args.scaling and os.path.exists(previous):
@@ -685,6 +740,18 @@ def main(argv=None):
                     record["scaling_started"] = last.get("scaling_started", last["started"])
             with open(os.path.join(raw, f"{backend}.json"), "w") as f:
                 json.dump(record, f, indent=1)
+    small = []
+    for backend in BACKENDS:
+        path = os.path.join(raw, f"small-{backend}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                small.append(json.load(f))
+    if small:
+        with open(os.path.join(args.out, "small.md"), "w") as f:
+            f.write(small_markdown(small, args))
+        print(open(os.path.join(args.out, "small.md")).read())
+    if args.only == "small":
+        return
     records = []
     for backend in BACKENDS:  # every backend measured so far, in one report
         path = os.path.join(raw, f"{backend}.json")
