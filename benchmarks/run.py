@@ -448,6 +448,7 @@ def run_small(backend, args):
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {"backend": backend, "started": now.strftime("%Y-%m-%d %H:%M UTC")}
     record["load"] = os.getloadavg()[0]  # the machine is shared: how busy it was
+    record["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     for name in SMALL:
         print(f"[{backend}] small {name} ...", flush=True)
         worker = ["--worker", "small", "--config", name, "--pairs", str(args.small_pairs)]
@@ -461,7 +462,11 @@ def small_markdown(records, args):
         f"no GPU, with `benchmarks/run.py --only small` (a section of `make bench`), "
         f"through `predict_on_batch`/`train_on_batch`; load average (1 min) when each "
         f"backend started: "
-        + ", ".join(f"{r['backend']} {r['load']:.1f}" for r in records)
+        + ", ".join(
+            f"{r['backend']} {r['load']:.1f}"
+            + (f" (OMP_NUM_THREADS={r['omp_num_threads']})" if r.get("omp_num_threads") else "")
+            for r in records
+        )
         + f". Ratios are ours / built-in (below 1: ours is faster), the medians of "
         f"{args.small_pairs} alternated rounds, then the first and third quartiles of "
         f"the per-round ratios. Dim {SMALL_DIM}, {SMALL_HEADS} heads, token ids padded "
