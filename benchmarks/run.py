@@ -730,8 +730,9 @@ def main(argv=None):
     os.makedirs(raw, exist_ok=True)
     if not args.report_only:
         for backend in args.backends:
+            small = run_small(backend, args)
             with open(os.path.join(raw, f"small-{backend}.json"), "w") as f:
-                json.dump(run_small(backend, args), f, indent=1)
+                json.dump(small, f, indent=1)
             if args.only == "small":
                 continue
             record = run_backend(backend, args)
