@@ -16,6 +16,12 @@ per process), through `predict_on_batch` / `train_on_batch` of a functional mode
 - scaling: time and peak memory of one forward and one train step, padded + causal,
   T = 512 ... 32768, ours and the built-in, a fresh process per point; a point whose
   process passes `--memory-limit` GiB (or `--time-limit` s) is killed and reported so.
+- small models (`--only small` runs this section alone, into `small.md`): keras.io-sized
+  models, dim 32, 2 heads, where a call's fixed cost shows: keras.io's text classifier
+  (B=4, T=12; a `TransformerBlock`, then a causal attention), and one attention layer
+  at B=4, T=12 and B=16, T=32, padded, padded + causal and unmasked (`Small`). Ours is
+  built where the built-in would be (`keras_mha.swapped()`, as `keras-mha swap` builds
+  it), with the built-in's weights.
 
 Peak RSS is what the process holds, allocator included: glibc keeps freed buffers of
 up to 32 MiB for reuse (faster than mapping fresh pages), so a kernel that works in
@@ -23,6 +29,7 @@ chunks shows more than it holds live at once. Both layers run with the defaults.
 
     .venv/bin/python benchmarks/run.py                 # every backend, ~40 minutes on 2 cores
     .venv/bin/python benchmarks/run.py --backends jax --pairs 5 --no-scaling
+    .venv/bin/python benchmarks/run.py --only small      # the small models, ~10 minutes
 """
 
 import argparse
@@ -68,6 +75,33 @@ SHORT_MASKED = dataclasses.replace(SHORT, name="B=8 T=256 padded+causal", masked
 LONG = Config("T=8192", 1, 8192, 256, 4, masked=False)
 LONG_MASKED = dataclasses.replace(LONG, name="T=8192 padded+causal", masked=True)
 CONFIGS = {c.name: c for c in (SHORT, SHORT_MASKED, LONG, LONG_MASKED)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Small:
+    """A keras.io-sized model, where a call's fixed cost shows: token ids ->
+    `Embedding(mask_zero=True)` (unmasked: `mask_zero=False`) -> attention -> pooling ->
+    a dense head. `kind`: "padded" (the Embedding's Keras mask), "padded+causal"
+    (also `use_causal_mask=True`), "unmasked", or "classifier": keras.io's text
+    classifier, a `TransformerBlock` holding the attention, then
+    `x + attention(x, x, use_causal_mask=True)`, padded."""
+
+    name: str
+    batch: int
+    length: int
+    kind: str
+
+
+SMALL_DIM, SMALL_HEADS, SMALL_VOCAB = 32, 2, 1000
+SMALL = {
+    c.name: c
+    for c in [Small("classifier B=4 T=12", 4, 12, "classifier")]
+    + [
+        Small(f"B={b} T={t} {kind}", b, t, kind)
+        for b, t in ((4, 12), (16, 32))
+        for kind in ("padded", "padded+causal", "unmasked")
+    ]
+}
 
 
 # ----------------------------------------------------------------- child process side
@@ -208,6 +242,88 @@ def pairs_worker(name, pairs, steps):
     return result
 
 
+def _small_model(config, ours):
+    """`config`'s model (a `Small`) with the built-in, or with ours where the built-in
+    would be (`keras_mha.swapped()`, as `keras-mha swap` builds it)."""
+    import contextlib
+
+    import keras
+    from keras import layers
+
+    import keras_mha
+
+    class TransformerBlock(layers.Layer):
+        """keras.io's block: attention, then a feed-forward net, each with a residual
+        and a layer norm."""
+
+        def __init__(self, dim, heads, **kwargs):
+            super().__init__(**kwargs)
+            self.supports_masking = True
+            self.att = layers.MultiHeadAttention(num_heads=heads, key_dim=dim)
+            self.ffn = keras.Sequential([layers.Dense(dim, activation="relu"), layers.Dense(dim)])
+            self.norm1 = layers.LayerNormalization(epsilon=1e-6)
+            self.norm2 = layers.LayerNormalization(epsilon=1e-6)
+
+        def call(self, x):
+            x = self.norm1(x + self.att(x, x))
+            return self.norm2(x + self.ffn(x))
+
+    keras.utils.set_random_seed(0)
+    b, t, d, heads = config.batch, config.length, SMALL_DIM, SMALL_HEADS
+    with keras_mha.swapped() if ours else contextlib.nullcontext():
+        tokens = keras.Input((t,), batch_size=b, dtype="int32")
+        x = layers.Embedding(SMALL_VOCAB, d, mask_zero=config.kind != "unmasked")(tokens)
+        if config.kind == "classifier":
+            x = TransformerBlock(d, heads)(x)
+            x = x + layers.MultiHeadAttention(heads, d)(x, x, use_causal_mask=True)
+        else:
+            causal = config.kind == "padded+causal"
+            x = layers.MultiHeadAttention(heads, d)(x, x, use_causal_mask=causal)
+        x = layers.GlobalAveragePooling1D()(x)
+        outputs = layers.Dense(2, activation="softmax")(x)
+    model = keras.Model(tokens, outputs)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _small_data(config):
+    """Token ids with zero padding at the tails (lengths from T/2 to T, one row
+    whole) and labels."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    b, t = config.batch, config.length
+    tokens = rng.integers(1, SMALL_VOCAB, (b, t)).astype("int32")
+    if config.kind != "unmasked":
+        lengths = rng.integers(t // 2, t + 1, b)
+        lengths[0] = t
+        tokens[np.arange(t)[None, :] >= lengths[:, None]] = 0
+    return tokens, rng.integers(0, 2, (b,)).astype("int32")
+
+
+def small_worker(name, pairs):
+    """Ours against the built-in (identical weights) on one small model: medians of
+    `pairs` alternated rounds of `predict_on_batch` and `train_on_batch`."""
+    import keras_mha
+
+    config = SMALL[name]
+    ours, builtin = _small_model(config, ours=True), _small_model(config, ours=False)
+    swapped = [x for x in ours._flatten_layers() if isinstance(x, keras_mha.MultiHeadAttention)]
+    if len(swapped) != (2 if config.kind == "classifier" else 1):
+        raise RuntimeError(f"{name}: ours is not where the built-in would be")
+    builtin.set_weights(ours.get_weights())
+    tokens, labels = _small_data(config)
+    result = {"config": name}
+    for step in ("predict", "train"):
+        if step == "predict":
+            functions = [lambda m=m: m.predict_on_batch(tokens) for m in (ours, builtin)]
+        else:
+            functions = [lambda m=m: m.train_on_batch(tokens, labels) for m in (ours, builtin)]
+        (o, b), spread = _median_pairs(functions, pairs, warmup=5)
+        result[step] = dict(ours_ms=o * 1e3, builtin_ms=b * 1e3, ratio=o / b, quartiles=spread)
+    return result
+
+
 def point_worker(which, name, length, step, repeats):
     """One layer, one step at `length`: warm-up call, then the median of `repeats`
     timed calls, and the process's peak RSS."""
@@ -226,6 +342,8 @@ def point_worker(which, name, length, step, repeats):
 def _child(args):
     if args.worker == "pairs":
         result = pairs_worker(args.config, args.pairs, args.steps.split(","))
+    elif args.worker == "small":
+        result = small_worker(args.config, args.pairs)
     else:
         result = point_worker(args.which, args.config, args.length, args.step, args.repeats)
     print("RESULT " + json.dumps(result), flush=True)
@@ -323,6 +441,50 @@ def run_backend(backend, args):
         record["scaling_started"] = record["started"]
     print(json.dumps(record), flush=True)
     return record
+
+
+def run_small(backend, args):
+    """The small models' section: `{"backend", "started", "load", name: result}`."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {"backend": backend, "started": now.strftime("%Y-%m-%d %H:%M UTC")}
+    record["load"] = os.getloadavg()[0]  # the machine is shared: how busy it was
+    record["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+    for name in SMALL:
+        print(f"[{backend}] small {name} ...", flush=True)
+        worker = ["--worker", "small", "--config", name, "--pairs", str(args.small_pairs)]
+        record[name] = _spawn(backend, worker)
+    return record
+
+
+def small_markdown(records, args):
+    lines = [
+        f"Measured ({_when(records)}) on {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"no GPU, with `benchmarks/run.py --only small` (a section of `make bench`), "
+        f"through `predict_on_batch`/`train_on_batch`; load average (1 min) when each "
+        f"backend started: "
+        + ", ".join(
+            f"{r['backend']} {r['load']:.1f}"
+            + (f" (OMP_NUM_THREADS={r['omp_num_threads']})" if r.get("omp_num_threads") else "")
+            for r in records
+        )
+        + f". Ratios are ours / built-in (below 1: ours is faster), the medians of "
+        f"{args.small_pairs} alternated rounds, then the first and third quartiles of "
+        f"the per-round ratios. Dim {SMALL_DIM}, {SMALL_HEADS} heads, token ids padded "
+        f"at the tails (lengths T/2 to T, one row whole) under `Embedding(mask_zero=True)`; "
+        f'ours built by `keras_mha.swapped()` (`fully_masked_rows="builtin"`).',
+        "",
+        "| backend | model | predict ours ms | built-in | ratio | train ours ms | built-in "
+        "| ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        for name in SMALL:
+            p, t = r[name]["predict"], r[name]["train"]
+            lines.append(
+                f"| {r['backend']} | {name} | {p['ours_ms']:.2f} | {p['builtin_ms']:.2f} "
+                f"| {_ratio(p)} | {t['ours_ms']:.2f} | {t['builtin_ms']:.2f} | {_ratio(t)} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def scaling(backend, args):
@@ -543,13 +705,17 @@ def main(argv=None):
     parser.add_argument("--scaling-lengths", nargs="+", type=int, default=list(SCALING_LENGTHS))
     parser.add_argument("--memory-limit", type=float, default=16.0, help="GiB per process")
     parser.add_argument("--time-limit", type=float, default=900.0, help="seconds per process")
+    parser.add_argument("--small-pairs", type=int, default=101)
+    parser.add_argument(
+        "--only", choices=("small",), help="run one section: the small models (small.md)"
+    )
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument(
         "--report-only",
         action="store_true",
         help="rebuild the reports from OUT/raw/BACKEND.json (one file per backend's last run)",
     )
-    parser.add_argument("--worker", choices=("pairs", "point"), help="internal")
+    parser.add_argument("--worker", choices=("pairs", "point", "small"), help="internal")
     parser.add_argument("--config", help="internal")
     parser.add_argument("--steps", help="internal")
     parser.add_argument("--which", choices=("ours", "builtin"), help="internal")
@@ -564,6 +730,11 @@ def main(argv=None):
     os.makedirs(raw, exist_ok=True)
     if not args.report_only:
         for backend in args.backends:
+            small = run_small(backend, args)
+            with open(os.path.join(raw, f"small-{backend}.json"), "w") as f:
+                json.dump(small, f, indent=1)
+            if args.only == "small":
+                continue
             record = run_backend(backend, args)
             previous = os.path.join(raw, f"{backend}.json")
             if not args.scaling and os.path.exists(previous):
@@ -575,6 +746,18 @@ def main(argv=None):
                     record["scaling_started"] = last.get("scaling_started", last["started"])
             with open(os.path.join(raw, f"{backend}.json"), "w") as f:
                 json.dump(record, f, indent=1)
+    small = []
+    for backend in BACKENDS:
+        path = os.path.join(raw, f"small-{backend}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                small.append(json.load(f))
+    if small:
+        with open(os.path.join(args.out, "small.md"), "w") as f:
+            f.write(small_markdown(small, args))
+        print(open(os.path.join(args.out, "small.md")).read())
+    if args.only == "small":
+        return
     records = []
     for backend in BACKENDS:  # every backend measured so far, in one report
         path = os.path.join(raw, f"{backend}.json")

@@ -644,9 +644,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             args, kwargs = _as_the_builtin_reads_them(bound, args, kwargs)
             if type(self).call is MultiHeadAttention.call:
                 # A subclass's own `call` gives its arguments its own meaning.
-                arguments = bound.signature.bind(*args, **kwargs).arguments
                 checks.call_arguments(
-                    arguments,
+                    bound.arguments,
                     self._attention_axes,
                     self._num_heads,
                     rotates=self._rope_max_wavelength is not None,
@@ -1034,6 +1033,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         seed = None
         if self._drops_weights and training:
             seed = self._dropout_layer.seed_generator.next()
+        empty_rows = "zero"
+        if mask is not None and len(query.shape) == 4:
+            empty_rows = self._fully_masked(return_attention_scores, query)
         output, scores = kernels.attention(
             query,
             key,
@@ -1054,24 +1056,22 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             implementation=self._implementation or ("fused" if self._flash_attention else None),
             chunk_size=self._chunk_size,
             flash=self._flash_attention,
+            empty_rows=empty_rows,
         )
-        if mask is not None and len(query.shape) == 4:
-            if self._fully_masked(return_attention_scores, output) == "mean":
-                output = kernels.mean_where_empty(output, value, mask)
         return output, scores
 
-    def _fully_masked(self, return_attention_scores, output):
+    def _fully_masked(self, return_attention_scores, query):
         """What a row with no visible key gets in this call: "mean" (the values' mean,
-        `kernels.mean_where_empty`) where the built-in's call would run
+        the kernels' `empty_rows="mean"`) where the built-in's call would run
         `ops.dot_product_attention` (no dropout on the weights, no scores, one attention
-        axis; it has no sinks) and that gives the mean where `output` lives, with
+        axis; it has no sinks) and that gives the mean where `query` lives, with
         `fully_masked_rows="builtin"`; else "zero"."""
         builtin_fused_path = (
             not self._drops_weights
             and not return_attention_scores
             and len(self._attention_axes) == 1
             and not self._use_sinks
-            and kernels.fused_gives_mean(output)
+            and kernels.fused_gives_mean(query)
         )
         return "mean" if self._fully_masked_rows == "builtin" and builtin_fused_path else "zero"
 
@@ -1142,11 +1142,13 @@ def _as_the_builtin_reads_them(bound, args, kwargs):
     flags given as ints or NumPy bools (which Keras would turn into tensors) become
     Python bools, masks given as (nested) lists become NumPy arrays (which Keras turns
     into tensors). Everything else is passed on as given; invalid flags are rejected.
+    `bound.arguments` gets the same replacements.
     """
     args, kwargs = list(args), dict(kwargs)
     positions = list(bound.signature.parameters)
 
     def replace(name, value):
+        bound.arguments[name] = value
         if name in kwargs:
             kwargs[name] = value
         else:

@@ -978,6 +978,12 @@ def test_policy_takes_the_explicit_kernel_for_small_calls_that_skip_no_keys():
     assert choose(None, call(score_entries=4, mask=masks.AttentionMask(window=2)), rules) == (
         "chunked"
     )
+    # Queries in one chunk: no chunk skips a key, causal or windowed.
+    for one_chunk in (masks.AttentionMask(causal=True), masks.AttentionMask(window=2)):
+        assert choose(None, call(score_entries=4, mask=one_chunk, one_chunk=True), rules) == (
+            "explicit"
+        )
+    assert choose(None, call(score_entries=101, one_chunk=True), rules) == "chunked"
     # Only the automatic choice: a requested kernel runs as asked.
     assert choose("chunked", call(score_entries=4), rules) == "chunked"
     assert choose(None, call(score_entries=4), kernels.policy.Policy("chunked")) == "chunked"

@@ -10,16 +10,20 @@
 
 All three share the arithmetic of `logits.py` (float32 softmax, a row with no keys
 gets zero weights, the same dropout mask for the same seed). Which one runs, and with
-what chunk size, is decided in one place: `policy.py`. `mean_where_empty` gives a row
+what chunk size, is decided in one place: `policy.py`. `empty_rows="mean"` gives a row
 with no keys the mean of the values instead (what `keras.ops.dot_product_attention` gives
-it, except on torch's CUDA kernels: `fused_gives_mean`), whichever kernel ran. Where the
+it, except on torch's CUDA kernels: `fused_gives_mean`), whichever kernel runs: the
+explicit kernel and the fused one taking a mask whole in their softmax, the others by
+`mean_where_empty` after the kernel. Where the
 masks hold data (eager calls), padded tails are cut off before any kernel runs
 (`trim.py`).
 """
 
-from keras import backend, ops
+from keras import backend
 
 from keras_mha.kernels import chunked, explicit, fused, policy, trim
+from keras_mha.kernels import logits as logits_lib
+from keras_mha.kernels.logits import mean_where_empty
 from keras_mha.kernels.policy import IMPLEMENTATIONS
 
 
@@ -40,6 +44,7 @@ def attention(
     implementation=None,
     chunk_size=None,
     flash=None,
+    empty_rows="zero",
 ):
     """`softmax(q k^T * scale + ..., masked) v` on projected heads.
 
@@ -59,6 +64,9 @@ def attention(
         implementation: `None`/"auto" or one of `IMPLEMENTATIONS`.
         chunk_size: query rows per chunk; `None` for the policy's.
         flash: the layer's `flash_attention`, for the fused kernel.
+        empty_rows: what a row with no visible key gets: "zero" weights, or
+            uniform ones, the mean of the values ("mean": rank-4 calls without
+            sinks or scores, as `keras.ops.dot_product_attention` gives it).
 
     Returns:
         `(output, scores)`: output like the query with `Hv` channels in the value's
@@ -71,6 +79,9 @@ def attention(
         cut = trim.cut(query, key, mask, dropout=dropping)
     if cut is not None:
         kept_query, kept_key, kept_value, kept_bias = cut.inputs(query, key, value, bias)
+        # The cut's own rows take the mean of the values it keeps: all of them only
+        # where it keeps every query and key.
+        whole = (cut.queries, cut.keys) == (query.shape[1], key.shape[1])
         output, _ = attention(
             kept_query,
             kept_key,
@@ -84,8 +95,12 @@ def attention(
             implementation=implementation,
             chunk_size=chunk_size,
             flash=flash,
+            empty_rows=empty_rows if whole else "zero",
         )
-        return cut.output(output, query.shape[1]), None
+        output = cut.output(output, query.shape[1])
+        if empty_rows == "mean" and not whole:
+            output = logits_lib.mean_where_empty(output, value, mask)
+        return output, None
     call = policy.Call(
         scores=return_scores,
         rank4=len(query.shape) == 4 and equations[2] == 1,
@@ -96,6 +111,7 @@ def attention(
         sinks=sinks is not None,
         same_head_dims=key.shape[-1] == value.shape[-1],
         score_entries=_score_entries(query, key),
+        one_chunk=_one_chunk(query, chunk_size or rules.chunk_size),
     )
     kernel = policy.choose(implementation, call, rules)
     if kernel == "explicit":
@@ -111,6 +127,7 @@ def attention(
             sinks=sinks,
             dropout=dropout,
             seed=seed if dropping else None,
+            empty_rows=empty_rows,
         )
     if kernel == "fused":
         output = fused.attention(
@@ -122,6 +139,7 @@ def attention(
             bias=bias,
             flash=flash,
             chunk_size=chunk_size or rules.chunk_size,
+            empty_rows=empty_rows,
         )
         return output, None
     dynamic = policy.dynamic_loop(rules)
@@ -151,20 +169,9 @@ def attention(
         dynamic=dynamic,
         differentiable=rules.trains,
     )
+    if empty_rows == "mean" and mask is not None:
+        output = logits_lib.mean_where_empty(output, value, mask)
     return output, None
-
-
-def mean_where_empty(output, value, mask):
-    """`output` `(B, T, N, Hv)` of a rank-4 call, each row that `mask` (an
-    `AttentionMask`) leaves without a key replaced by the mean of `value`
-    `(B, S, N, Hv)` over all `S` keys: uniform weights, as
-    `keras.ops.dot_product_attention` gives such a row."""
-    empty = mask.empty_rows(ops.shape(output)[1], ops.shape(value)[1])
-    if empty is None:
-        return output
-    mean = ops.mean(ops.cast(value, "float32"), axis=1, keepdims=True)  # (B, 1, N, Hv)
-    empty = ops.transpose(empty, (0, 2, 1))[..., None]  # (B, T, N or 1, 1)
-    return ops.where(empty, ops.cast(mean, output.dtype), output)
 
 
 def fused_gives_mean(x):
@@ -173,6 +180,12 @@ def fused_gives_mean(x):
     JAX's GPU. Torch's CUDA kernels give such a row zero weights, float32 and bfloat16
     alike (benchmarks/results/gpu.md)."""
     return backend.backend() != "torch" or x.device.type != "cuda"
+
+
+def _one_chunk(query, chunk_size):
+    """Whether the query's `T` is known and at most `chunk_size`."""
+    length = query.shape[1]
+    return isinstance(length, int) and length <= chunk_size
 
 
 def _score_entries(query, key):

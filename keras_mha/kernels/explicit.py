@@ -24,6 +24,7 @@ def attention(
     sinks=None,
     dropout=0.0,
     seed=None,
+    empty_rows="zero",
 ):
     """Attention with the full scores; returns `(output, scores)`.
 
@@ -41,6 +42,8 @@ def attention(
         sinks: `None` or `(N,)` sink logits.
         dropout: rate of attention dropout; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask.
+        empty_rows: what a row with no visible key gets: "zero" weights, or
+            uniform ones ("mean", without sinks).
 
     Returns:
         output `(B, ..., N, Hv)` and scores `(<batch dims>, <T dims>, <S dims>)` (the
@@ -59,7 +62,7 @@ def attention(
     axes = tuple(range(rank - num_axes, rank))
     if sinks is not None:
         sinks = logits_lib.sink_logits(sinks, rank, rank - 2 * num_axes - 1)
-    weights = logits_lib.softmax(x, _dense(mask, query, key), axes, sinks)
+    weights = logits_lib.softmax(x, _dense(mask, query, key), axes, sinks, empty_rows)
     scores = ops.cast(weights, value.dtype)
     if seed is not None and dropout > 0.0:
         shape = ops.shape(scores)

@@ -21,7 +21,18 @@ from keras_mha.kernels import logits as logits_lib
 from keras_mha.kernels import policy, trim
 
 
-def attention(query, key, value, *, scale, mask=None, bias=None, flash=None, chunk_size=256):
+def attention(
+    query,
+    key,
+    value,
+    *,
+    scale,
+    mask=None,
+    bias=None,
+    flash=None,
+    chunk_size=256,
+    empty_rows="zero",
+):
     """Returns the output `(B, T, N, Hv)`.
 
     Args:
@@ -30,11 +41,16 @@ def attention(query, key, value, *, scale, mask=None, bias=None, flash=None, chu
         bias: float, broadcastable to `(B, N, T, S)`, or `None`.
         flash: the layer's `flash_attention` (`None` lets the backend decide).
         chunk_size: query rows per chunk, when the mask is built chunk by chunk.
+        empty_rows: what a row with no visible key gets: "zero" weights, or the
+            mean of the values ("mean").
     """
     dtype = query.dtype
     if backend.standardize_dtype(dtype) == "float16" and not policy.current().fused_float16:
         query, key, value = (ops.cast(x, "float32") for x in (query, key, value))
     run = _Kernel(scale, flash)
+    mean = empty_rows == "mean" and mask is not None
+    if mean and bias is None and _takes_whole(mask, bias):
+        return ops.cast(_whole_with_mean(run, query, key, value, mask), dtype)
     if _takes_whole(mask, bias):
         output = run(query, key, value, *_whole_mask(mask), bias)
     elif _folds_key_padding(mask, bias, query):
@@ -43,7 +59,20 @@ def attention(query, key, value, *, scale, mask=None, bias=None, flash=None, chu
         output = _by_documents(run, query, key, value, mask, runs)
     else:
         output = _by_chunks(run, query, key, value, mask, bias, chunk_size)
-    return ops.cast(output, dtype)
+    output = ops.cast(output, dtype)
+    return logits_lib.mean_where_empty(output, value, mask) if mean else output
+
+
+def _whole_with_mean(run, query, key, value, mask):
+    """The kernel once, whole (a mask `_takes_whole`), each row with no visible key,
+    padded queries included, then given the mean of the values where the kernel's
+    output would be zeroed: one `where` instead of `mean_where_empty`."""
+    kernel_mask, valid, is_causal = _whole_mask(mask)
+    output = run(query, key, value, kernel_mask, None, is_causal, None)
+    if valid is None:
+        return output
+    valid = ops.transpose(valid, (0, 2, 1, 3))  # (B, T or 1, 1, 1)
+    return ops.where(valid, output, logits_lib.values_mean(value, output.dtype))
 
 
 def _takes_whole(mask, bias):

@@ -42,23 +42,29 @@ def sink_logits(sinks, rank, heads_axis):
     return ops.reshape(ops.cast(sinks, "float32"), shape)
 
 
-def softmax(x, mask, axes, sinks=None):
+def softmax(x, mask, axes, sinks=None, empty_rows="zero"):
     """Float32 masked softmax over `axes`, with optional sink logits in the
-    denominator; masked entries and key-less rows get weight 0.
+    denominator; masked entries get weight 0, and key-less rows zero weights
+    (`empty_rows="zero"`) or uniform ones (`"mean"`, no sinks: what
+    `keras.ops.dot_product_attention` gives them).
 
     The mask is added to the logits as a bias (`mask_bias`): a masked entry's weight
-    underflows to exactly 0 in every row that has a key to attend to.
+    underflows to exactly 0 in every row that has a key to attend to. With "mean",
+    masked logits are replaced by `MASKED` instead, so a key-less row's are all equal.
     """
-    if mask is not None:
+    mean = empty_rows == "mean" and mask is not None
+    if mean:
+        x = ops.where(mask, x, ops.full((), MASKED, "float32"))
+    elif mask is not None:
         x = x + mask_bias(mask)
     if _fused_softmax_applies(x, axes, sinks):
         weights = ops.softmax(x, axis=axes[0])
-        if mask is not None:  # every entry of a key-less row
+        if mask is not None and not mean:  # every entry of a key-less row
             weights = ops.where(mask, weights, 0.0)
         return weights
     peak = ops.stop_gradient(_peak(x, axes, sinks))
     weights = ops.exp(x - peak)
-    if mask is not None:
+    if mask is not None and not mean:
         weights = ops.where(mask, weights, 0.0)
     total = ops.sum(weights, axis=axes, keepdims=True)
     if sinks is not None:
@@ -92,6 +98,24 @@ def softmax_and_logsumexp(x, mask, axes, sinks=None):
     if mask is None:
         return weights, logsumexp
     return weights, ops.where(ops.greater(peak, MASKED / 2), logsumexp, NO_KEYS)
+
+
+def mean_where_empty(output, value, mask):
+    """`output` `(B, T, N, Hv)` of a rank-4 call, each row that `mask` (an
+    `AttentionMask`) leaves without a key replaced by the mean of `value`
+    `(B, S, N, Hv)` over all `S` keys: uniform weights, as
+    `keras.ops.dot_product_attention` gives such a row."""
+    empty = mask.empty_rows(ops.shape(output)[1], ops.shape(value)[1])
+    if empty is None:
+        return output
+    empty = ops.transpose(empty, (0, 2, 1))[..., None]  # (B, T, N or 1, 1)
+    return ops.where(empty, values_mean(value, output.dtype), output)
+
+
+def values_mean(value, dtype):
+    """The mean of `value` `(B, S, N, Hv)` over its `S` keys, `(B, 1, N, Hv)` in
+    `dtype`, summed in float32."""
+    return ops.cast(ops.mean(ops.cast(value, "float32"), axis=1, keepdims=True), dtype)
 
 
 def _fused_softmax_applies(x, axes, sinks):

@@ -52,10 +52,10 @@ class Policy:
             softmax with the next one's matmul.
         explicit_up_to: `None`, or the automatic choice takes the explicit kernel
             where "chunked" would run a call whose whole scores `B x N x T x S` are
-            known when tracing and have at most this many entries, and whose mask
-            has no causal part or window (the chunks would skip no key): its
-            backward keeps the weights where the chunked one recomputes them.
-            Time over memory for small calls.
+            known when tracing and have at most this many entries, and whose chunks
+            would skip no key (its mask has no causal part or window, or its queries
+            fit in one chunk): its backward keeps the weights where the chunked one
+            recomputes them. Time over memory for small calls.
         loop: the chunked kernel visits its chunks in a compiled loop instead of
             unrolling them. XLA schedules unrolled chunks together and keeps all
             their buffers; a loop holds one chunk's. Its shapes are static: each
@@ -269,6 +269,8 @@ class Call:
         sinks: the layer has attention sinks.
         same_head_dims: `key_dim == value_dim`.
         score_entries: `B x N x T x S` when known while tracing, else `None`.
+        one_chunk: the chunked kernel would take the call's queries in one chunk
+            (`T` known and at most its chunk size): no chunk skips a key.
     """
 
     scores: bool = False
@@ -280,6 +282,7 @@ class Call:
     sinks: bool = False
     same_head_dims: bool = True
     score_entries: int | None = None
+    one_chunk: bool = False
 
 
 def choose(requested, call, policy):
@@ -310,11 +313,12 @@ def choose(requested, call, policy):
 
 
 def _small(call, limit):
-    """The call's scores are known, at most `limit` entries, and every key counts."""
+    """The call's scores are known, at most `limit` entries, and no chunk would skip
+    a key."""
     if limit is None or call.score_entries is None or call.score_entries > limit:
         return False
     mask = call.mask
-    return mask is None or (not mask.causal and mask.window is None)
+    return mask is None or call.one_chunk or (not mask.causal and mask.window is None)
 
 
 def fusable(call):

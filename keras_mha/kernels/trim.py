@@ -18,6 +18,7 @@ chunked kernel skips blocks at run time there itself.
 
 import dataclasses
 
+import numpy as np
 from keras import backend, ops
 
 from keras_mha import masks as masks_lib
@@ -56,6 +57,9 @@ def cut(query, key, mask, *, dropout):
 
     Not with attention dropout: its mask is a hash of each weight's position in the
     whole `(T, S)`, which a cut call would number differently from a compiled one.
+    The padding and document ids are read to the host once (`(B, T)` and `(B, S)`,
+    a transfer each) and the cut is found there, in NumPy: no device op, and no
+    device sync, per question asked of them.
     """
     if mask is None or dropout or len(query.shape) != 4 or not holds_data(query):
         return None
@@ -63,21 +67,28 @@ def cut(query, key, mask, *, dropout):
     offset = mask.static_offset
     if not (isinstance(query_length, int) and isinstance(key_length, int)) or offset is None:
         return None
-    queries = _kept(query_length, mask.query_valid, mask.query_segments)
+    query_valid, key_valid = _host(mask.query_valid), _host(mask.key_valid)
+    query_ids = _host(mask.query_segments)
+    key_ids = query_ids if mask.key_segments is mask.query_segments else None
+    if key_ids is None:
+        key_ids = _host(mask.key_segments)
+    queries = _kept(query_length, query_valid, query_ids)
     # The keys after the last one the kept queries may see by causality and the window.
-    _, keys = mask.key_range(0, queries, _kept(key_length, mask.key_valid, mask.key_segments))
+    _, keys = mask.key_range(0, queries, _kept(key_length, key_valid, key_ids))
     if queries <= 0 or keys <= 0:
         return None  # no query sees a key: the kernels' own empty rows
+    query_valid, key_valid = _head(query_valid, queries), _head(key_valid, keys)
     kept = dataclasses.replace(
         mask,
-        query_valid=_padding(mask.query_valid, queries),
-        key_valid=_padding(mask.key_valid, keys),
+        query_valid=_padding(mask.query_valid, query_valid, queries),
+        key_valid=_padding(mask.key_valid, key_valid, keys),
         dense=None if mask.dense is None else masks_lib.block_of(mask.dense, 0, queries, 0, keys),
         query_segments=_ids(mask.query_segments, queries),
         key_segments=_ids(mask.key_segments, keys),
     )
-    if _hidden_by_causality(kept):
-        kept = dataclasses.replace(kept, key_valid=None)
+    if kept.query_valid is not None and kept.key_valid is not None:
+        if _hidden_by_causality(kept, key_valid, query_valid):
+            kept = dataclasses.replace(kept, key_valid=None)
     dropped = (mask.query_valid is not None and kept.query_valid is None) or (
         mask.key_valid is not None and kept.key_valid is None
     )
@@ -86,46 +97,56 @@ def cut(query, key, mask, *, dropout):
     return Cut(queries, keys, kept)
 
 
+def _host(x):
+    """A `(B, L)` padding or ids as a NumPy array (booleans as they are), or `None`."""
+    return None if x is None else np.asarray(ops.convert_to_numpy(x))
+
+
+def _head(x, length):
+    """A host `(B, L)` array's first `length` positions (a `(B, 1)` one as it is)."""
+    return x if x is None or x.shape[1] == 1 else x[:, :length]
+
+
 def _kept(length, valid, segments):
     """How many leading positions some batch row keeps: up to the last one whose
-    padding is True and whose document id is not 0."""
+    padding is True and whose document id is not 0 (host arrays)."""
     kept = None
     if valid is not None and valid.shape[1] == length and length != 1:
-        kept = masks_lib.as_bool(valid)
+        kept = valid.astype(bool)
     if segments is not None:
-        kept = masks_lib.logical_and(kept, ops.not_equal(segments, 0))
+        kept = segments != 0 if kept is None else kept & (segments != 0)
     if kept is None:
         return length
-    positions = ops.arange(1, length + 1, dtype="int32")
-    return int(ops.max(ops.where(ops.any(kept, axis=0), positions, 0)))
+    positions = np.flatnonzero(kept.any(axis=0))
+    return int(positions[-1]) + 1 if positions.size else 0
 
 
-def _hidden_by_causality(mask):
+def _hidden_by_causality(mask, keys, queries):
     """Whether causality alone already hides every padded key from every kept query:
     each row's keys are right-padded (a prefix of True), and each query past its row's
     last key is padded too (its output is zeroed). A right-padded causal self-attention
     (`Embedding(mask_zero=True)`) then needs no key mask: the fused kernels take it
-    with `is_causal`, rows of any lengths."""
+    with `is_causal`, rows of any lengths. `keys`, `queries`: the kept padding on the
+    host."""
     if not mask.causal or mask.static_offset != 0:
         return False
-    keys, queries = mask.key_valid, mask.query_valid
-    if keys is None or queries is None or keys.shape[1] == 1 or queries.shape[1] == 1:
+    if keys.shape[1] == 1 or queries.shape[1] == 1:
         return False
-    keys, queries = masks_lib.as_bool(keys), masks_lib.as_bool(queries)
-    lengths = ops.sum(ops.cast(keys, "int32"), axis=1, keepdims=True)
-    prefix = ops.all(ops.equal(keys, ops.arange(keys.shape[1], dtype="int32")[None] < lengths))
-    before = ops.arange(queries.shape[1], dtype="int32")[None] < lengths
-    covered = ops.all(ops.logical_or(ops.logical_not(queries), before))
-    return bool(ops.logical_and(prefix, covered))
+    keys, queries = keys.astype(bool), queries.astype(bool)
+    lengths = keys.sum(axis=1, keepdims=True)
+    prefix = np.all(keys == (np.arange(keys.shape[1])[None] < lengths))
+    before = np.arange(queries.shape[1])[None] < lengths
+    return bool(prefix and np.all(~queries | before))
 
 
-def _padding(valid, length):
-    """A `(B, L)` padding mask cut to `length` positions; `None` where it keeps every one."""
+def _padding(valid, host, length):
+    """A `(B, L)` padding mask cut to `length` positions; `None` where it keeps every
+    one (`host`: the cut mask on the host)."""
     if valid is None:
         return None
     if valid.shape[1] != 1:
         valid = masks_lib.slice_along(valid, 1, 0, length)
-    return None if bool(ops.all(masks_lib.as_bool(valid))) else valid
+    return None if host.astype(bool).all() else valid
 
 
 def _ids(segments, length):
