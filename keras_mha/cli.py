@@ -271,6 +271,7 @@ def _compare_model(args, parser):
     layers = next((r["layers"] for r in records if r.get("layers")), None)
     if layers:
         console.print(render_layers(layers))
+        _print_notes(console, layers)
     return _report(console, backends, records, args)
 
 
@@ -298,6 +299,7 @@ def _swap(args):
             perturb=args.perturb,
         )
     console.print(render_layers(result["layers"], title=f"{args.input} -> {args.output}"))
+    _print_notes(console, result["layers"])
     shapes = ", ".join(f"{k} {tuple(v)}" for k, v in result["inputs"].items())
     for name, case in result["input_cases"].items():
         diff = (
@@ -320,6 +322,18 @@ def _swap(args):
                 )
     console.print(f"written to {result['out']}")
     return 0 if result["passed"] else 1
+
+
+def _print_notes(console, rows):
+    """One line per difference between a moved keras-hub class and ours (its entry's
+    notes in `keras_mha.hub`), once per class."""
+    seen = set()
+    for row in rows:
+        for note in row.get("notes") or ():
+            if (row["before"], note) not in seen:
+                seen.add((row["before"], note))
+                cls = row["before"].rpartition(".")[2]
+                console.print(f"[cyan]NOTE[/cyan]: {cls}: {note}", soft_wrap=True)
 
 
 def _check_readable(*paths):

@@ -589,6 +589,8 @@ def swap_report(original, result):
                 if status == KEPT
                 else config_summary(new if isinstance(new, hub.HubAttention) else old),
                 "reason": reason,
+                # Where keras-hub's class and ours differ (the entry's notes).
+                "notes": list(new.entry.notes) if isinstance(new, hub.HubAttention) else [],
             }
         )
     return rows

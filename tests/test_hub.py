@@ -510,9 +510,10 @@ def test_swap_moves_every_attention_layer(pair):
     _, model, swapped = pair
     rows = swapping.swap_report(model, swapped)
     assert rows and all(row["status"] == swapping.MOVED for row in rows), rows
-    for _, layer in swapping.attention_layers(swapped):
+    for row, (_, layer) in zip(rows, swapping.attention_layers(swapped)):
         assert isinstance(layer, hub.HubAttention)
         assert isinstance(layer.attention, keras_mha.MultiHeadAttention)
+        assert row["notes"] == list(layer.entry.notes)  # what `keras-mha swap` prints
 
 
 def test_logits_match(pair):
