@@ -257,6 +257,11 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             with `use_causal_mask=True` unwritten positions are never attended. Without
             causal masking, pass an `attention_mask` that hides them. `None` uses the
             cache as it is (e.g. cross-attention over a precomputed cache).
+        cache_update_mask: Optional `(B, T)` flags (bool or 0/1) with a
+            `cache_update_index`: where false, the cache keeps what it holds at that
+            position instead of the new key and value, and attention reads the kept
+            entry (Gemma 3's decoding protocol, where a prompt's own positions stay
+            prefilled).
         attention_bias: Optional float tensor broadcastable to the scores
             `(B, N, T, S)` (with a cache, `S` is its length), added to the logits:
             ALiBi, relative position bias, any learned bias (it gets gradients).
