@@ -121,28 +121,29 @@ colour_of = palette[(np.arange(len(documents)) * 7) % len(palette)]  # neighbour
 PADDING = np.array([0.88, 0.88, 0.88])
 
 
-def picture(index):
-    """RGB image of a grid of document indices (-1: padding)."""
-    return np.where(index[..., None] >= 0, colour_of[np.maximum(index, 0)], PADDING)
+def picture(axes, index, title, ylabel):
+    """Draws a grid of document indices (-1: padding), a white line between documents."""
+    rgb = np.where(index[..., None] >= 0, colour_of[np.maximum(index, 0)], PADDING)
+    axes.imshow(rgb, interpolation="nearest", aspect="auto")
+    for r, row in enumerate(index):
+        starts = np.flatnonzero(np.diff(row) != 0) + 0.5
+        axes.vlines(starts, r - 0.5, r + 0.5, color="white", linewidth=0.8)
+    axes.set(title=title, xlabel="position", ylabel=ylabel)
 
 
 shown = 12
 padded = np.full((shown, max(map(len, documents[:shown]))), -1)
 for i, d in enumerate(documents[:shown]):
     padded[i, : len(d)] = i
-fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.4))
-left.imshow(picture(where["token_ids"]), interpolation="nearest", aspect="auto")
-left.set(
-    title=f"packed: all {len(texts)} documents in {len(where['token_ids'])} rows",
-    xlabel="position",
-    ylabel="row",
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+picture(left, where["token_ids"], f"packed: all {len(texts)} documents", "row")
+picture(right, padded, f"padded: the first {shown} documents", "document")
+fig.legend(
+    handles=[Patch(color=PADDING, label="padding (light grey); each colour: one document")],
+    loc="lower center",
+    frameon=False,
 )
-right.imshow(picture(padded), interpolation="nearest", aspect="auto")
-right.set(
-    title=f"padded: the first {shown} documents, one per row", xlabel="position", ylabel="document"
-)
-fig.legend(handles=[Patch(color=PADDING, label="padding")], loc="upper right")
-plt.tight_layout(rect=(0, 0, 0.93, 1))
+plt.tight_layout(rect=(0, 0.07, 1, 1))
 plt.show()
 
 # %% [markdown]
