@@ -221,10 +221,8 @@ def report(records, sizes, command):
     }
     for r in records:
         if "error" in r:
-            lines.append(
-                f"| {r['backend']} | {r['model']} | {r['way']} | — | — | — | — | — | — "
-                f"| — | {r['error']}"
-            )
+            error = r["error"].replace("|", "/")
+            lines.append(f"| {r['backend']} | {r['model']} | {r['way']} | {error} |" + " — |" * 6)
             continue
         b = base.get((r["backend"], r["model"]))
         speed = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if b else "—"
