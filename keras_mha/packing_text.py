@@ -170,7 +170,10 @@ def dataset(texts, tokenizer, length, batch_size, **kwargs):
     each epoch.
 
     Args:
-        texts, tokenizer, length, batch_size: as for `batches`.
+        texts: as for `batches`.
+        tokenizer: as for `batches`.
+        length: as for `batches`.
+        batch_size: as for `batches`.
         **kwargs: `batches`' other arguments (`overflow`, `buffer_size`, `shuffle`,
             `seed`, `progress`).
 
