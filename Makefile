@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/floor.py
 	$(BIN)/python benchmarks/packed.py
+	$(BIN)/python benchmarks/hub_packed.py
 	$(BIN)/python benchmarks/block_shapes.py
 
 # GPU tests + GPU benchmark per installed backend, against the existing .venv (no

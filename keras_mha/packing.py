@@ -22,7 +22,7 @@ from keras_mha import checks
 OVERFLOWS = ("split", "truncate", "error")
 
 
-def pack(sequences, length, pad_id=0, overflow="split"):
+def pack(sequences, length, pad_id=0, overflow="split", target_masks=None):
     """Packs token sequences into rows of `length` tokens, first-fit decreasing.
 
     Sequences are placed longest first, each in the first row with room for it (a
@@ -37,27 +37,32 @@ def pack(sequences, length, pad_id=0, overflow="split"):
         overflow: what to do with a sequence longer than `length`: "split" it into
             pieces of at most `length` tokens (each its own document), "truncate" it
             to its first `length` tokens, or raise ("error").
+        target_masks: `None` (every next token of a document is a target), or an
+            iterable of 1-d boolean masks, one per sequence and of its length: which
+            of its tokens are to be predicted (a prompt's tokens marked `False` are
+            read but never learned). A split sequence's pieces keep their part of it.
 
     Returns:
         A dict of NumPy arrays, each `(R, length)`: `token_ids` (int32),
         `segment_ids` (int32, 0 for padding), `positions` (int32, each document's
         own positions from 0), `targets` (int32, the next token of the same
         document, `pad_id` where there is none) and `loss_mask` (bool, `True` where
-        `targets` is a real next token). `R` is the number of rows used.
+        `targets` is a real next token, and one of `target_masks`). `R` is the
+        number of rows used.
     """
     length = checks.positive_int("length", length)
     checks.one_of("overflow", overflow, OVERFLOWS)
-    documents = _documents(sequences, length, overflow)
+    documents = _documents(sequences, length, overflow, target_masks)
     rows, room = [], []
-    for index in sorted(range(len(documents)), key=lambda i: -len(documents[i])):
+    for index in sorted(range(len(documents)), key=lambda i: -len(documents[i][0])):
         document = documents[index]
-        row = next((r for r, free in enumerate(room) if free >= len(document)), None)
+        row = next((r for r, free in enumerate(room) if free >= len(document[0])), None)
         if row is None:
             rows.append([])
             room.append(length)
             row = len(rows) - 1
         rows[row].append(document)
-        room[row] -= len(document)
+        room[row] -= len(document[0])
     shape = (len(rows), length)
     packed = {
         "token_ids": np.full(shape, pad_id, "int32"),
@@ -68,21 +73,33 @@ def pack(sequences, length, pad_id=0, overflow="split"):
     }
     for r, documents_of_row in enumerate(rows):
         start = 0
-        for i, document in enumerate(documents_of_row):
+        for i, (document, predicted) in enumerate(documents_of_row):
             end = start + len(document)
             packed["token_ids"][r, start:end] = document
             packed["segment_ids"][r, start:end] = i + 1
             packed["positions"][r, start:end] = np.arange(len(document))
             packed["targets"][r, start : end - 1] = document[1:]
-            packed["loss_mask"][r, start : end - 1] = True
+            packed["loss_mask"][r, start : end - 1] = predicted[1:]
             start = end
     return packed
 
 
-def _documents(sequences, length, overflow):
-    """The sequences as int32 arrays of 1 to `length` tokens (empty ones dropped)."""
+def _documents(sequences, length, overflow, target_masks):
+    """The sequences as `(tokens, predicted)` pairs of 1 to `length` tokens each
+    (int32 tokens, boolean masks; empty sequences dropped)."""
+    sequences = list(sequences)
+    if target_masks is None:
+        masks = [None] * len(sequences)
+    else:
+        masks = list(target_masks)
+        if len(masks) != len(sequences):
+            raise checks.invalid(
+                "target_masks",
+                f"one mask per sequence ({len(sequences)})",
+                f"{len(masks)} masks",
+            )
     documents = []
-    for i, sequence in enumerate(sequences):
+    for i, (sequence, mask) in enumerate(zip(sequences, masks)):
         document = np.asarray(sequence)
         if document.ndim != 1 or (document.size and not np.issubdtype(document.dtype, np.integer)):
             raise checks.invalid(
@@ -92,6 +109,14 @@ def _documents(sequences, length, overflow):
                 extra=f"at index {i}",
             )
         document = document.astype("int32")
+        predicted = np.ones(len(document), bool) if mask is None else np.asarray(mask, bool)
+        if predicted.shape != document.shape:
+            raise checks.invalid(
+                "target_masks",
+                "masks of their sequences' shapes",
+                f"shape {predicted.shape} for a sequence of shape {document.shape}",
+                extra=f"at index {i}",
+            )
         if len(document) > length:
             if overflow == "error":
                 raise checks.invalid(
@@ -102,6 +127,9 @@ def _documents(sequences, length, overflow):
                     extra=f"at index {i}",
                 )
             if overflow == "truncate":
-                document = document[:length]
-        documents.extend(document[s : s + length] for s in range(0, len(document), length))
+                document, predicted = document[:length], predicted[:length]
+        documents.extend(
+            (document[s : s + length], predicted[s : s + length])
+            for s in range(0, len(document), length)
+        )
     return documents

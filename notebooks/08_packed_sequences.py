@@ -34,6 +34,7 @@ import keras
 import matplotlib.pyplot as plt
 import numpy as np
 from keras import ops
+from matplotlib.patches import Patch
 
 import keras_mha
 from keras_mha import packing
@@ -86,20 +87,41 @@ padded_tokens = sum(
 print(f"packed: {len(rows['token_ids'])} rows of {T}, {packed_fill:.0%} real tokens")
 print(f"padded per batch of {batch}: {lengths.sum() / padded_tokens:.0%} real tokens")
 
+# %% [markdown]
+# Which document sits where: `pack` places documents by their lengths only, so packing
+# each document's *index* in place of its tokens gives the layout. Each document has
+# its own colour, the same in both panels, a white line between two documents; padding
+# is light grey.
+
 # %%
-fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.2))
-shown = rows["segment_ids"][:12]
-colours = np.where(shown > 0, shown % 9 + 1, 0)
-left.imshow(colours, cmap="tab10", interpolation="nearest", aspect="auto", vmin=0, vmax=10)
-left.set(
-    title="packed rows: one colour per document, padding dark", xlabel="position", ylabel="row"
-)
-padded = np.zeros((batch, lengths[:batch].max()))
+where = packing.pack([np.full(n, i) for i, n in enumerate(lengths)], T, pad_id=-1)
+palette = np.concatenate([plt.get_cmap(c)(np.arange(20))[:, :3] for c in ("tab20", "tab20b")])
+colour_of = palette[(np.arange(len(documents)) * 7) % len(palette)]  # neighbours differ
+PADDING = np.array([0.88, 0.88, 0.88])
+
+
+def picture(axes, index, title, ylabel):
+    """Draws a grid of document indices (-1: padding), a white line between documents."""
+    rgb = np.where(index[..., None] >= 0, colour_of[np.maximum(index, 0)], PADDING)
+    axes.imshow(rgb, interpolation="nearest", aspect="auto")
+    for r, row in enumerate(index):
+        starts = np.flatnonzero(np.diff(row) != 0) + 0.5
+        axes.vlines(starts, r - 0.5, r + 0.5, color="white", linewidth=0.8)
+    axes.set(title=title, xlabel="position", ylabel=ylabel)
+
+
+padded = np.full((batch, lengths[:batch].max()), -1)
 for i, n in enumerate(lengths[:batch]):
-    padded[i, :n] = i % 9 + 1
-right.imshow(padded, cmap="tab10", interpolation="nearest", aspect="auto", vmin=0, vmax=10)
-right.set(title="padded to the batch's longest", xlabel="position", ylabel="document")
-plt.tight_layout()
+    padded[i, :n] = i
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+picture(left, where["token_ids"][:12], "packed: the first 12 rows", "row")
+picture(right, padded, f"padded: the first batch of {batch}, to its longest", "document")
+fig.legend(
+    handles=[Patch(color=PADDING, label="padding (light grey); each colour: one document")],
+    loc="lower center",
+    frameon=False,
+)
+plt.tight_layout(rect=(0, 0.07, 1, 1))
 plt.show()
 
 # %% [markdown]
