@@ -221,8 +221,26 @@ def _copy_weights(original, result, path):
         )
     for source, target in zip(own, new):
         target.assign(keras.ops.convert_to_numpy(source.value))  # a copy, not a shared buffer
+    _copy_assets(original, result)
     for old, fresh in zip(before, after):
         _copy_weights(old, fresh, f"{path}/{old.name}")
+
+
+def _copy_assets(original, result):
+    """What Keras's `.keras` files carry beside the weights (a tokenizer's vocabulary),
+    from `original` to `result`: layer by layer, and through a keras-hub task's
+    `preprocessor`, which its model does not track as a layer."""
+    pairs = [(original, result)]
+    before, after = (getattr(x, "preprocessor", None) for x in (original, result))
+    if before is not None and after is not None:
+        pairs += zip(
+            before._flatten_layers(include_self=True), after._flatten_layers(include_self=True)
+        )
+    for old, new in pairs:
+        if hasattr(old, "save_assets") and hasattr(new, "load_assets"):
+            with tempfile.TemporaryDirectory(prefix="keras-mha-assets-") as assets:
+                old.save_assets(assets)
+                new.load_assets(assets)
 
 
 def _keep_trainable(original, result):

@@ -24,6 +24,7 @@ import keras_hub
 import numpy as np
 import pytest
 from helpers import to_numpy
+from test_packing_text import proto  # noqa: F401, F811 (a fixture)
 
 import keras_mha
 from keras_mha import hub, swapping
@@ -893,6 +894,27 @@ def test_swap_names_an_out_of_scope_class_and_its_reason():
     message = str(info.value)
     assert "\n" not in message
     assert f"DisentangledSelfAttention: {hub.OUT_OF_SCOPE[key]}" in message
+
+
+# ------------------------------------------------------------ with a preprocessor
+def test_a_task_with_its_preprocessor_generates_the_same_text(proto):  # noqa: F811
+    """A task built with keras-hub's preprocessor (a tokenizer whose vocabulary is an
+    asset, as `from_preset` gives it) generates from strings once swapped."""
+    tokenizer = models.LlamaTokenizer(proto=proto)
+    preprocessor = models.LlamaCausalLMPreprocessor(tokenizer, sequence_length=LENGTH + 4)
+    keras.utils.set_random_seed(0)
+    backbone = models.LlamaBackbone(**{**TINY, "vocabulary_size": tokenizer.vocabulary_size()})
+    model = models.LlamaCausalLM(backbone, preprocessor=preprocessor)
+    _randomize(model, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = keras_mha.swap(model)
+    texts = []
+    for lm in (model, swapped):
+        lm.compile(sampler="greedy")
+        texts.append(lm.generate(["the quick", "a lazy dog"]))
+    assert texts[0][0].startswith("the quick") and len(texts[0][0]) > len("the quick")
+    assert texts[1] == texts[0]
 
 
 # --------------------------------------------------------------------------- guard
