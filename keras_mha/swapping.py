@@ -547,9 +547,12 @@ def attention_layers(model):
             ) or hub.is_hub_attention(child):
                 found.append((child_path, child))
             else:
-                if hub.out_of_scope(child):  # kept; a built-in inside it still moves
-                    found.append((child_path, child))
+                before = len(found)
                 visit(child, child_path)
+                # An out-of-scope class is kept, and listed, unless it only wraps
+                # attention that moves (BLIP-2's QFormerAttention holds the built-in).
+                if hub.out_of_scope(child) and len(found) == before:
+                    found.append((child_path, child))
 
     visit(model, "")
     return found
