@@ -528,7 +528,7 @@ def plot_ratios(records, path):
         ax.set_ylabel("time ours / built-in")
         same = sum(bool(r.get("passed")) for r in rows)
         ax.set_title(
-            f"{backend}: {same}/{len(rows)} same within {compare.ATOL:g}; bars: ours / "
+            f"{backend}: {same}/{len(rows)} same within {compare.ATOL:g}\nbars: ours / "
             "built-in, below 1 ours faster; whiskers: quartiles of the timed rounds",
             fontsize=9,
         )
