@@ -497,19 +497,22 @@ def plot_ratios(records, path):
             offset = (i - (len(steps) - 1) / 2) * width
             values = [r.get(f"{step}_ratio") or math.nan for r in rows]
             spread = [r.get(f"{step}_ratio_quartiles") for r in rows]
-            errors = [
-                [v - q[0] if q else 0.0 for v, q in zip(values, spread)],
-                [q[1] - v if q else 0.0 for v, q in zip(values, spread)],
-            ]
             label = "peak memory" if step == "peak" else f"{step} (median)"
-            ax.bar(
-                [x + offset for x in xs],
-                values,
-                width=width,
-                label=label,
-                yerr=errors if any(spread) else None,
-                error_kw={"elinewidth": 1, "capsize": 2.5, "ecolor": "0.2"},
-            )
+            at = [x + offset for x in xs]
+            ax.bar(at, values, width=width, label=label)
+            # The whiskers span the rounds' quartiles wherever the bar (the ratio of the
+            # two medians) falls: drawn from their middle, not from the bar's top.
+            spans = [(a, q) for a, q in zip(at, spread) if q]
+            if spans:
+                ax.errorbar(
+                    [a for a, _ in spans],
+                    [(q[0] + q[1]) / 2 for _, q in spans],
+                    yerr=[(q[1] - q[0]) / 2 for _, q in spans],
+                    fmt="none",
+                    elinewidth=1,
+                    capsize=2.5,
+                    ecolor="0.2",
+                )
             for x, v, q in zip(xs, values, spread):
                 if not math.isnan(v):
                     above = max(v, q[1]) if q else v
@@ -539,7 +542,7 @@ def plot_ratios(records, path):
         ax.set_ylabel("time ours / built-in")
         same = sum(bool(r.get("passed")) for r in rows)
         ax.set_title(
-            f"{backend}: {same}/{len(rows)} same within {compare.ATOL:g}; bars: ours / "
+            f"{backend}: {same}/{len(rows)} same within {compare.ATOL:g}\nbars: ours / "
             "built-in, below 1 ours faster; whiskers: quartiles of the timed rounds",
             fontsize=9,
         )
