@@ -101,9 +101,10 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             after; `w` is `(w - 1, w - 1)`. Models state windows two ways: as
             `t - s < W` (keras-hub's Gemma 1-4, Qwen and Mistral masks, Keras's
             built-in): pass `W`; as `t - s <= W`, `W` keys before the query plus
-            its own (keras-hub's GPT-OSS): pass `W + 1`. EmbeddingGemma's bidirectional window of size `W` is
-            `(W - W // 2 - 1, W // 2)`. With a cache, `t` is the query's position
-            `cache_update_index + t`, so decoding keeps the same window.
+            its own (keras-hub's GPT-OSS): pass `W + 1`. EmbeddingGemma's
+            bidirectional window of size `W` is `(W - W // 2 - 1, W // 2)`. With a
+            cache, `t` is the query's position `cache_update_index + t`, so
+            decoding keeps the same window.
         flash_attention: `None` (the Keras default), `True` or `False`; passed to the
             backend's fused kernel when that kernel runs.
         kernel_initializer: Initializer of the projections' kernels.
@@ -182,7 +183,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             (zero weights, so its output is the output projection's bias, on every
             path; difference 5) or "builtin": what the built-in gives it, the mean of
             all the values (uniform weights) where the built-in runs
-            `ops.dot_product_attention` (no attention dropout, no scores requested,
+            `ops.dot_product_attention` (no dropout on the weights, no scores requested,
             one attention axis) and that kernel gives the mean (not torch's CUDA
             kernels), zero weights elsewhere. `keras_mha.swap` and
             `swapped()` build ours with "builtin", so a moved model predicts as before
@@ -194,9 +195,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             residual add, pooling, recurrent layers, the loss) see what they see
             with the built-in.
         scale: `None` or a positive float: the logits are `(Q_i * scale) K_i^T`;
-            `None` means `1 / sqrt(key_dim)`. Gemma 2, 3, 3n and 4 and T5Gemma use
+            `None` means `1 / sqrt(key_dim)`. Gemma 2 and 3 and T5Gemma use
             `query_pre_attn_scalar ** -0.5` (keras-hub: `1 / sqrt(hidden_dim //
-            num_heads)` where `query_head_dim_normalize=False`), Gemma 3n and 4
+            num_heads)` where `query_head_dim_normalize=False`); Gemma 3n, Gemma 4
             and T5 use 1.0. Every kernel takes it (the fused ones as their `scale`).
         use_output_bias: `None` (the default: `use_bias`) or a bool: whether the
             output projection has a bias. `use_bias=True, use_output_bias=False` is
@@ -1049,7 +1050,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
     def _fully_masked(self, return_attention_scores, output):
         """What a row with no visible key gets in this call: "mean" (the values' mean,
         `kernels.mean_where_empty`) where the built-in's call would run
-        `ops.dot_product_attention` (no attention dropout, no scores, one attention
+        `ops.dot_product_attention` (no dropout on the weights, no scores, one attention
         axis; it has no sinks) and that gives the mean where `output` lives, with
         `fully_masked_rows="builtin"`; else "zero"."""
         builtin_fused_path = (

@@ -96,7 +96,7 @@ class AttentionMask:
             hi = _minimum(hi, last + 1)
         if self.window is not None:
             before, after = self.window_sides
-            hi = _minimum(hi, last + after + 1)
+            hi = _minimum(hi, last + (after + 1))
             lo = _maximum(lo, query_start + offset - before)
         hi = _maximum(0, hi)
         if isinstance(lo, int) and lo == 0:  # hi >= 0
@@ -223,7 +223,7 @@ class AttentionMask:
             hi = ops.minimum(hi, rows + 1)
         if self.window is not None:
             before, after = self.window_sides
-            hi = ops.minimum(hi, rows + after + 1)
+            hi = ops.minimum(hi, rows + (after + 1))
             lo = ops.maximum(lo, rows - before)
         lo, hi = (ops.clip(x, 0, key_length) for x in (lo, hi))
         if self.key_valid is None:

@@ -136,6 +136,10 @@ def test_from_torch_rejects_other_modules():
         pytest.param({"num_key_value_heads": 1}, "num_key_value_heads", id="gqa"),
         pytest.param({"normalize_qk": True}, "normalize_qk", id="normalize_qk"),
         pytest.param({"sliding_window": 2}, "sliding_window", id="sliding_window"),
+        pytest.param({"scale": 1.0}, "scale", id="scale"),
+        pytest.param({"use_output_bias": False}, "use_output_bias", id="use_output_bias"),
+        pytest.param({"normalize_value": True}, "normalize_value", id="normalize_value"),
+        pytest.param({"dropout": 0.1, "dropout_on": "output"}, "dropout_on", id="dropout_on"),
         pytest.param({"key_dim": 3}, "key_dim", id="heads_do_not_tile"),
     ],
 )

@@ -844,6 +844,19 @@ def test_dynamic_loop_narrows_by_data_where_lengths_are_unknown(rng):
     assert got == [(0, 5), (0, 10), (5, 15), (15, 16)]
 
 
+@pytest.mark.parametrize("offset", [0, 3])
+def test_unrolled_chunks_see_only_their_asymmetric_window(rng, offset):
+    """`(left, right)`: chunk `[start, start + 4)` of queries at `offset + t` sees keys
+    `offset + start - left ... offset + start + 3 + right` only."""
+    left, right, t, s = 2, 1, 12, 15
+    q, k, _ = _inputs(rng, t, s)
+    mask = masks.AttentionMask(window=(left, right), offset=offset)
+    plan = chunked._Plan.make(q, k, mask, 4, None, False, False)
+    for (start, size), (lo, hi) in zip(plan.chunks, plan.ranges):
+        first, last = offset + start, offset + start + size - 1
+        assert (lo, hi) == (max(0, first - left), min(s, last + right + 1))
+
+
 def test_unknown_query_length_is_one_chunk_unless_the_loop_is_dynamic():
     """Symbolic `T` (a functional model with `(None, dim)` inputs) traces one chunk;
     a dynamic loop chunks it all the same."""

@@ -72,6 +72,25 @@ CONSTRUCTOR_CASES = [
         "3",
     ),
     _param("normalize_qk-str", {"normalize_qk": "yes"}, "normalize_qk", "'yes'"),
+    _param(
+        "sliding_window-pair-negative", {"sliding_window": (2, -1)}, "sliding_window", "(2, -1)"
+    ),
+    _param("sliding_window-triple", {"sliding_window": (1, 2, 3)}, "sliding_window", "(1, 2, 3)"),
+    _param("sliding_window-pair-float", {"sliding_window": [1.5, 2]}, "sliding_window", "[1.5, 2]"),
+    _param(
+        "sliding_window-pair-bool", {"sliding_window": (True, 2)}, "sliding_window", "(True, 2)"
+    ),
+    _param("scale-zero", {"scale": 0.0}, "scale", "0.0"),
+    _param("scale-negative", {"scale": -0.5}, "scale", "-0.5"),
+    _param("scale-inf", {"scale": float("inf")}, "scale", "inf"),
+    _param("scale-str", {"scale": "0.1"}, "scale", "'0.1'"),
+    _param("use_output_bias-str", {"use_output_bias": "no"}, "use_output_bias", "'no'"),
+    _param("norm_epsilon-zero", {"norm_epsilon": 0}, "norm_epsilon", "0"),
+    _param("norm_epsilon-none", {"norm_epsilon": None}, "norm_epsilon", "None"),
+    _param("norm_unit_offset-str", {"norm_unit_offset": "yes"}, "norm_unit_offset", "'yes'"),
+    _param("normalize_value-float", {"normalize_value": 1.0}, "normalize_value", "1.0"),
+    _param("dropout_on-unknown", {"dropout_on": "logits"}, "dropout_on", "'logits'"),
+    _param("dropout_on-none", {"dropout_on": None}, "dropout_on", "None"),
 ]
 
 

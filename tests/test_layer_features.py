@@ -425,9 +425,7 @@ def test_dropout_on_output_drops_attention_output_entries(implementation):
     the reference's divided by `1 - rate`, forward; backward, the reference's
     gradients through the same keep mask."""
     rate = 0.4
-    layer = _option_layer(
-        "scale-t5", implementation, dropout=rate, dropout_on="output", seed=3
-    )
+    layer = _option_layer("scale-t5", implementation, dropout=rate, dropout_on="output", seed=3)
     _identity_output(layer)
     x, padding, weights = _option_inputs()
     weights = weights.astype("float32")
@@ -570,3 +568,178 @@ def test_options_saved_and_reloaded(tmp_path):
     for name, value in ALL_OPTIONS.items():
         assert config[name] == value
     np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(model(x)), atol=1e-6)
+
+
+# ------------------------------------------------ against keras-hub's own layers
+def _hub_class(module, name):
+    pytest.importorskip("keras_hub")
+    import importlib
+
+    return getattr(importlib.import_module(f"keras_hub.src.models.{module}"), name)
+
+
+def _load_hub_weights(ours, hub):
+    """keras-hub's weights into ours by sublayer name: its `(N, D, H)` projection
+    kernels (Gemma's `ndh`) transposed to our `(D, N, H)`."""
+    theirs = {w.path.split("/", 1)[1]: to_numpy(w) for w in hub.weights}
+    for w in ours.weights:
+        name = w.path.split("/", 1)[1]
+        value = theirs.pop(name)
+        if name in ("query/kernel", "key/kernel", "value/kernel") and value.shape != w.shape:
+            value = value.transpose(1, 0, 2)
+        w.assign(value)
+    assert not theirs, f"keras-hub weights left over: {sorted(theirs)}"
+
+
+HUB_B, HUB_T, HUB_DIM = 2, 9, 24
+
+
+def _hub_inputs():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((HUB_B, HUB_T, HUB_DIM)).astype("float32")
+    padding = np.ones((HUB_B, HUB_T), bool)
+    padding[1, 6:] = False
+    return x, padding
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["local-causal", "embedding-gemma"])
+def test_matches_keras_hubs_gemma3_attention(implementation, bidirectional):
+    """`CachedGemma3Attention` (code we did not write): the scale `1 / sqrt(hidden /
+    heads)` (`query_head_dim_normalize=False`), QK-norm `x_hat * (1 + w)` with its
+    epsilon, the soft cap, RoPE, and its window: a causal `t - s < W` band, or
+    EmbeddingGemma's bidirectional window of size `W`, our `(W - W // 2 - 1, W // 2)`."""
+    window, heads, head_dim, epsilon = 4, 4, 8, 1e-3  # head_dim != HUB_DIM // heads
+    keras.utils.set_random_seed(2)
+    hub = _hub_class("gemma3.gemma3_attention", "CachedGemma3Attention")(
+        head_dim=head_dim,
+        num_query_heads=heads,
+        num_key_value_heads=2,
+        logit_soft_cap=3.0,
+        use_sliding_window_attention=True,
+        sliding_window_size=window,
+        query_head_dim_normalize=False,
+        use_query_key_norm=True,
+        layer_norm_epsilon=epsilon,
+        rope_wavelength=100.0,
+        use_bidirectional_attention=bidirectional,
+    )
+    hub.build((HUB_B, HUB_T, HUB_DIM))
+    rng = np.random.default_rng(0)
+    for norm in (hub.query_norm, hub.key_norm):
+        norm.scale.assign(rng.uniform(-0.5, 0.5, head_dim).astype("float32"))
+    ours = keras_mha.MultiHeadAttention(
+        heads,
+        head_dim,
+        num_key_value_heads=2,
+        use_bias=False,
+        scale=(HUB_DIM // heads) ** -0.5,
+        normalize_qk=True,
+        norm_unit_offset=True,
+        norm_epsilon=epsilon,
+        logit_soft_cap=3.0,
+        rope_max_wavelength=100.0,
+        sliding_window=(window - window // 2 - 1, window // 2) if bidirectional else window,
+        implementation=implementation,
+        chunk_size=4,
+    )
+    ours.build((HUB_B, HUB_T, HUB_DIM), (HUB_B, HUB_T, HUB_DIM))
+    _load_hub_weights(ours, hub)
+    x, padding = _hub_inputs()
+    mask = np.broadcast_to(padding[:, None, :], (HUB_B, HUB_T, HUB_T))
+    if not bidirectional:
+        mask = mask & np.tri(HUB_T, dtype=bool)
+    expected = to_numpy(hub(x, attention_mask=mask))
+    got = to_numpy(ours(x, x, value_mask=padding, use_causal_mask=not bidirectional))
+    np.testing.assert_allclose(got, expected, atol=2e-5)
+    assert ours._inverse_sqrt_key_dim != head_dim**-0.5  # the scale is not the default
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_matches_keras_hubs_gemma4_attention_with_cache(implementation):
+    """`Gemma4TextAttention`: scale 1.0, QK-norm `x_hat * w` with its epsilon, the
+    value norm (no weight), RoPE; a prompt then decode steps through the same cache
+    layout `(B, 2, S, Nkv, H)` as ours."""
+    heads, head_dim, epsilon = 2, 8, 1e-2
+    keras.utils.set_random_seed(3)
+    hub = _hub_class("gemma4.gemma4_attention", "Gemma4TextAttention")(
+        head_dim=head_dim,
+        num_query_heads=heads,
+        num_key_value_heads=1,
+        layer_norm_epsilon=epsilon,
+        rope_wavelength=100.0,
+    )
+    hub.build((HUB_B, HUB_T, HUB_DIM))
+    rng = np.random.default_rng(1)
+    for norm in (hub.query_norm, hub.key_norm):
+        norm.scale.assign(rng.uniform(0.5, 1.5, head_dim).astype("float32"))
+    ours = keras_mha.MultiHeadAttention(
+        heads,
+        head_dim,
+        num_key_value_heads=1,
+        use_bias=False,
+        scale=1.0,
+        normalize_qk=True,
+        normalize_value=True,
+        norm_epsilon=epsilon,
+        rope_max_wavelength=100.0,
+        implementation=implementation,
+        chunk_size=4,
+    )
+    ours.build((HUB_B, HUB_T, HUB_DIM), (HUB_B, HUB_T, HUB_DIM))
+    _load_hub_weights(ours, hub)
+    x, _ = _hub_inputs()
+    causal = np.broadcast_to(np.tri(HUB_T, dtype=bool), (HUB_B, HUB_T, HUB_T))
+    hub_cache = ops.zeros((HUB_B, 2, HUB_T, 1, head_dim))
+    expected, _ = hub(x, attention_mask=causal, cache=hub_cache, cache_update_index=0)
+    cache = ours.init_cache(HUB_B, HUB_T)
+    out, cache = ours(x[:, :5], x[:, :5], cache=cache, cache_update_index=0, use_causal_mask=True)
+    steps = [to_numpy(out)]
+    for t in range(5, HUB_T):
+        token = x[:, t : t + 1]
+        out, cache = ours(token, token, cache=cache, cache_update_index=t, use_causal_mask=True)
+        steps.append(to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), to_numpy(expected), atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("window", [None, 3])
+def test_matches_keras_hubs_qwen_attention(monkeypatch, implementation, window):
+    """`QwenAttention` (Qwen 2/2.5): biases on the query, key and value projections,
+    none on the output (`use_output_bias=False`: the same 7 weights in the same
+    order), RoPE, its causal `t - s < W` window. keras-hub 0.32 applies the window on
+    its explicit path only: where `fused_attention_op_available()` (JAX and torch, not
+    TensorFlow) the window is ignored, so the window case runs the explicit path."""
+    if window is not None:
+        module = _hub_class("qwen.qwen_attention", "QwenAttention").__module__
+        monkeypatch.setattr(f"{module}.fused_attention_op_available", lambda: False)
+    heads = 4
+    keras.utils.set_random_seed(4)
+    hub = _hub_class("qwen.qwen_attention", "QwenAttention")(
+        num_query_heads=heads,
+        num_key_value_heads=2,
+        rope_max_wavelength=100.0,
+        use_sliding_window_attention=window is not None,
+        sliding_window_size=window or 4096,
+    )
+    hub.build((HUB_B, HUB_T, HUB_DIM))
+    rng = np.random.default_rng(5)
+    hub.set_weights([rng.standard_normal(w.shape).astype("float32") * 0.3 for w in hub.weights])
+    ours = keras_mha.MultiHeadAttention(
+        heads,
+        HUB_DIM // heads,
+        num_key_value_heads=2,
+        use_output_bias=False,
+        rope_max_wavelength=100.0,
+        sliding_window=window,
+        implementation=implementation,
+        chunk_size=4,
+    )
+    ours.build((HUB_B, HUB_T, HUB_DIM), (HUB_B, HUB_T, HUB_DIM))
+    assert [tuple(w.shape) for w in ours.weights] == [tuple(w.shape) for w in hub.weights]
+    ours.set_weights(hub.get_weights())
+    x, padding = _hub_inputs()
+    mask = padding[:, None, :] & np.tri(HUB_T, dtype=bool)[None]
+    expected = to_numpy(hub(x, attention_mask=mask))
+    got = to_numpy(ours(x, x, value_mask=padding, use_causal_mask=True))
+    np.testing.assert_allclose(got, expected, atol=2e-5)

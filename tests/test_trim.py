@@ -77,6 +77,12 @@ CUTS = [
         (4, 6, False, False),
     ),
     (
+        "an asymmetric window bounds the keys by its right side",
+        masks.AttentionMask(query_valid=_valid([4], 12), window=(5, 3)),
+        (1, 12, 12),
+        (4, 7, False, False),
+    ),
+    (
         "packed rows: trailing id 0 is padding",
         masks.AttentionMask(
             query_segments=np.array([[1, 1, 2, 2, 2, 0, 0, 0]], "int32"),
