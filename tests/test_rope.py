@@ -232,9 +232,9 @@ def _ours(x, start, options, positions=None):
     return rope_lib.rotate(x, start, positions=positions, scaling=scaling, **options)
 
 
-# Offsets 0, below and above LongRoPE's original length of 16 with T = 6 (the long
-# factors apply from `start + 6 > 16`), and far.
-@pytest.mark.parametrize("start", [0, 7, 11, 40])
+# Offsets 0, at and just past LongRoPE's original length of 16 with T = 6 (the long
+# factors apply from `start + 6 > 16`: 10 is short, 11 long), and far.
+@pytest.mark.parametrize("start", [0, 10, 11, 40])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_matches_keras_hub(rng, variant, start):
     options, hub = VARIANTS[variant]
