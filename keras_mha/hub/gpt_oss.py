@@ -59,6 +59,7 @@ ADAPTERS = {
     "keras_hub.src.models.gpt_oss.gpt_oss_attention.GptOssAttention": Entry(
         options=_options,
         call=common.self_attention,
+        decoder_mask=common.causal_decoder_mask,
         weights=_weights,
         notes=(
             "keras-hub masks with a -1e9 logit (a row with no key left attends to the "
