@@ -63,6 +63,9 @@ class Entry:
 class HubAttention(keras.layers.Layer):
     """A keras-hub attention layer's place in its model, run by our layer.
 
+    It is called with the keras-hub class's own call arguments (the table's entry maps
+    them to ours) and returns what that class returns.
+
     Args:
         hub_class: The keras-hub class it stands for, `"module.ClassName"` (a key of
             `keras_mha.hub.table.ADAPTERS`).
@@ -72,9 +75,6 @@ class HubAttention(keras.layers.Layer):
             computes, so a swap keeps the model's outputs; `True` computes the
             correct result instead. It may be set on the layer before its first call.
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
-
-    Call arguments:
-        Those of the keras-hub class (the table's entry maps them).
 
     Returns:
         What the keras-hub class returns (an output, or `(output, cache)`).
