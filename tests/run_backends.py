@@ -96,6 +96,8 @@ SPLIT = {
         "tests/test_saving.py",
         "tests/test_upstream.py",
         "tests/test_keras_hub.py",
+        "tests/test_hub.py",
+        "tests/test_hub_packed.py",
     ],
 }
 
