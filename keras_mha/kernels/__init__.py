@@ -179,7 +179,8 @@ def fused_gives_mean(x):
     uniform weights (the values' mean) where the tensor `x` lives: on CPUs and on
     JAX's GPU. Torch's CUDA kernels give such a row zero weights, float32 and bfloat16
     alike (benchmarks/results/gpu.md)."""
-    return backend.backend() != "torch" or x.device.type != "cuda"
+    device = getattr(x, "device", None)  # a NumPy array (a direct call) lives on the host
+    return backend.backend() != "torch" or getattr(device, "type", "cpu") != "cuda"
 
 
 def _one_chunk(query, chunk_size):
