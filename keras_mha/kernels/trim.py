@@ -17,6 +17,7 @@ chunked kernel skips blocks at run time there itself.
 """
 
 import dataclasses
+import warnings
 
 import numpy as np
 from keras import backend, ops
@@ -98,8 +99,15 @@ def cut(query, key, mask, *, dropout):
 
 
 def _host(x):
-    """A `(B, L)` padding or ids as a NumPy array (booleans as they are), or `None`."""
-    return None if x is None else np.asarray(ops.convert_to_numpy(x))
+    """A `(B, L)` padding or ids as a NumPy array (booleans as they are), or `None`.
+
+    Keras's torch `convert_to_numpy` warns (NumPy's `copy` keyword) on the way: the
+    layer's call must raise no warning (Keras's `test_no_warning_with_keras_mask`)."""
+    if x is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return np.asarray(ops.convert_to_numpy(x))
 
 
 def _head(x, length):
