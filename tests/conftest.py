@@ -1,6 +1,8 @@
 """Shared test set-up: the backend in the header, the `gpu` marker's skip rule, and
 which tests run on Keras's inference-only backends."""
 
+import gc
+
 import keras
 import numpy as np
 import pytest
@@ -48,3 +50,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# Keras's `quantize()` drops each float kernel it replaces, and `Layer.__delattr__` runs a
+# full `gc.collect()` for every variable dropped (to free device buffers sooner). In a test
+# process holding many objects each costs 0.3-1 s: keras-hub's tiny models spent 1,100 s of
+# `make test` there (tests/test_hub.py, int8 on three backends). The tests read nothing
+# that collection frees, so explicit collections are skipped; Python's automatic
+# collection still runs.
+@pytest.fixture(autouse=True)
+def _no_explicit_gc_collect(monkeypatch):
+    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
