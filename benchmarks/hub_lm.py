@@ -13,8 +13,9 @@ decoder blocks pass our layer their masks described).
 - Generate: `generate()` of 64 tokens (greedy) after a 4096-token prompt, once to
   compile, then timed.
 
-Every (model, way, case) runs in a fresh process per backend, one at a time. A process that
-dies (out of memory) is reported as such, with its exit code.
+Every (model, way, case) runs in a fresh process per backend, one at a time. A process
+that outgrows `--memory-limit-gib` of resident memory (16 GiB: the machine has 24) or runs
+past `--time-limit-s` is stopped and reported as such.
 
     .venv/bin/python benchmarks/hub_lm.py                      # writes results/hub_lm.*
     .venv/bin/python benchmarks/hub_lm.py --dry-run            # toy sizes, checks it runs
@@ -28,9 +29,12 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import run as bench  # noqa: E402  (benchmarks/run.py: a worker process under memory and time limits)
 
 BACKENDS = ("tensorflow", "jax", "torch")
 MODELS = ("llama", "gemma3")
@@ -135,16 +139,20 @@ def worker(model_name, way, case, length, steps, sizes):
     }
 
 
-def _run(backend, model, way, case, length, steps, dry_run):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model, way, case, str(length)]
-    cmd += ["--steps", str(steps)] + (["--dry-run"] if dry_run else [])
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
-    if done.returncode or not lines:
-        tail = (done.stderr.strip().splitlines() or [""])[-1][:200]
-        return {"error": f"exit {done.returncode}: {tail}"}
-    return json.loads(lines[-1])
+def _run(backend, model, way, case, length, args):
+    worker_args = ["--worker", model, way, case, str(length), "--steps", str(args.steps)]
+    worker_args += ["--dry-run"] if args.dry_run else []
+    try:
+        result = bench._spawn(
+            backend,
+            worker_args,
+            memory_limit_gib=args.memory_limit_gib,
+            time_limit_s=args.time_limit_s,
+            script=__file__,
+        )
+    except RuntimeError as error:  # the worker failed: its last line says why
+        return {"error": str(error).strip().splitlines()[-1][:200]}
+    return {"error": result["failed"]} if "failed" in result else result
 
 
 def _cell(result, key, fmt):
@@ -191,12 +199,15 @@ def main(argv=None):
     parser.add_argument("--no-generate", action="store_true")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--memory-limit-gib", type=float, default=16.0)
+    parser.add_argument("--time-limit-s", type=float, default=900.0)
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "WAY", "CASE", "LENGTH"))
     args = parser.parse_args(argv)
     sizes = TOY if args.dry_run else FULL
     if args.worker:
         model, way, case, length = args.worker
-        print(json.dumps(worker(model, way, case, int(length), args.steps, sizes)))
+        result = worker(model, way, case, int(length), args.steps, sizes)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     lengths = args.lengths or (TOY_LENGTHS if args.dry_run else LENGTHS)
     cases = [("train", n) for n in lengths] + ([] if args.no_generate else [("generate", 0)])
@@ -208,7 +219,7 @@ def main(argv=None):
                 if case == "train":
                     row["case"] = f"train T={length}"
                 for way in WAYS:
-                    row[way] = _run(backend, model, way, case, length, args.steps, args.dry_run)
+                    row[way] = _run(backend, model, way, case, length, args)
                     print(backend, model, row["case"], way, row[way], flush=True)
                 rows.append(row)
     if args.dry_run:

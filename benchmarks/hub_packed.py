@@ -17,6 +17,8 @@ first 64 positions sets the memory baseline, a warm-up pass over all the steps c
 every shape, then `--passes` timed passes, whose median counts. Reported: real
 (non-padding) tokens per second, and the growth of the process's peak RSS over the
 baseline (`ru_maxrss`; on a GPU, the backend's peak device memory where it reports one).
+A process that outgrows `--memory-limit-gib` of resident memory (16 GiB: the machine
+has 24) or runs past `--time-limit-s` is stopped and reported as such.
 The targets (issue 52): packed >= 3x the unswapped padded tokens/s on every backend, and
 peak memory no higher than the unswapped padded run. A model that `keras_mha.swap` does
 not move (no entry in `keras_mha.hub`) reports an error for its swapped ways.
@@ -32,7 +34,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -186,21 +187,22 @@ def _timed(function):
     return time.perf_counter() - start
 
 
-def _run_child(backend, name, way, sizes, passes):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, way]
-    cmd += ["--sizes", json.dumps(sizes), "--passes", str(passes)]
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
-    if done.returncode or not lines:
-        tail = (done.stderr.strip().splitlines() or [""])[-1][:200]
-        return {
-            "model": name,
-            "way": way,
-            "backend": backend,
-            "error": f"exit {done.returncode}: {tail}",
-        }
-    return json.loads(lines[-1])
+def _run_child(backend, name, way, sizes, args):
+    worker_args = ["--child", name, way, "--sizes", json.dumps(sizes)]
+    worker_args += ["--passes", str(1 if args.dry_run else args.passes)]
+    try:
+        result = hub_lm.bench._spawn(
+            backend,
+            worker_args,
+            memory_limit_gib=args.memory_limit_gib,
+            time_limit_s=args.time_limit_s,
+            script=__file__,
+        )
+    except RuntimeError as error:  # the worker failed: its last line says why
+        result = {"failed": str(error).strip().splitlines()[-1][:200]}
+    if "failed" in result:
+        return {"model": name, "way": way, "backend": backend, "error": result["failed"]}
+    return result
 
 
 def report(records, sizes, command):
@@ -244,20 +246,22 @@ def main(argv=None):
     parser.add_argument("--passes", type=int, default=PASSES)
     parser.add_argument("--dry-run", action="store_true", help="toy sizes; writes nothing")
     parser.add_argument("--out", default=RESULTS, help="folder for hub_packed.json/.md")
+    parser.add_argument("--memory-limit-gib", type=float, default=16.0)
+    parser.add_argument("--time-limit-s", type=float, default=1800.0)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "WAY"), help=argparse.SUPPRESS)
     parser.add_argument("--sizes", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         name, way = args.child
-        print(json.dumps(measure(name, way, json.loads(args.sizes), args.passes)))
+        result = measure(name, way, json.loads(args.sizes), args.passes)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     sizes = TOY if args.dry_run else FULL
-    passes = 1 if args.dry_run else args.passes
     records = []
     for backend in args.backends:
         for name in args.models:
             for way in args.ways:
-                record = _run_child(backend, name, way, sizes, passes)
+                record = _run_child(backend, name, way, sizes, args)
                 records.append(record)
                 shown = record.get("error") or f"{record['tokens_per_s']:.0f} tokens/s"
                 print(f"{backend} {name} {way}: {shown}", flush=True)
