@@ -53,6 +53,30 @@ PROJECTIONS = {
 }
 
 
+# Where a keras-hub class names its sublayers as ours, as public attributes.
+PUBLIC_PROJECTIONS = {name: name for name in PROJECTIONS}
+
+
+def decoder_options(config, dim, **options):
+    """Our layer's arguments for a Llama-style decoder attention: GQA heads of
+    `config["head_dim"]` (else `dim // heads`), projections without bias, dropout on
+    the attention output, RoPE, keras-hub's initializer, and keras-hub's outputs on fully
+    masked rows; `options` add or replace."""
+    heads = config["num_query_heads"]
+    return {
+        "num_heads": heads,
+        "key_dim": config.get("head_dim") or dim // heads,
+        "num_key_value_heads": config["num_key_value_heads"],
+        "use_bias": False,
+        "dropout": config["dropout"],
+        "dropout_on": "output",
+        "rope_max_wavelength": config["rope_max_wavelength"],
+        "kernel_initializer": clone(config["kernel_initializer"]),
+        "fully_masked_rows": "builtin",
+        **options,
+    }
+
+
 def clone(initializer):
     """A fresh copy of a keras-hub initializer (each layer gets its own)."""
     from keras_hub.src.utils.keras_utils import clone_initializer

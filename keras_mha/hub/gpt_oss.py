@@ -42,15 +42,7 @@ def _options(config, dim):
 
 
 def _weights(layer):
-    found = common.weights(
-        layer,
-        {
-            "query_dense": "query_dense",
-            "key_dense": "key_dense",
-            "value_dense": "value_dense",
-            "output_dense": "output_dense",
-        },
-    )
+    found = common.weights(layer, common.PUBLIC_PROJECTIONS)
     found["_sinks"] = [layer.sinks.value]
     return found
 

@@ -5,19 +5,11 @@ from keras_mha.hub.adapter import Entry
 
 
 def _options(config, dim):
-    heads = config["num_query_heads"]
-    return dict(
-        num_heads=heads,
-        key_dim=dim // heads,
-        num_key_value_heads=config["num_key_value_heads"],
-        use_bias=False,
-        dropout=config["dropout"],
-        dropout_on="output",
-        rope_max_wavelength=config["rope_max_wavelength"],
+    return common.decoder_options(
+        config,
+        dim,
         rope_scaling_factor=config["rope_position_scaling_factor"],
         rope_scaling=_llama3_scaling(config),
-        kernel_initializer=common.clone(config["kernel_initializer"]),
-        fully_masked_rows="builtin",
     )
 
 

@@ -11,29 +11,13 @@ given to our layer as well, the kernels know the band.
 from keras_mha.hub import common
 from keras_mha.hub.adapter import Entry
 
-# Mixtral's sublayers are public attributes.
-_MIXTRAL_PROJECTIONS = {
-    "query_dense": "query_dense",
-    "key_dense": "key_dense",
-    "value_dense": "value_dense",
-    "output_dense": "output_dense",
-}
-
 
 def _options(config, dim):
-    heads = config["num_query_heads"]
-    return dict(
-        num_heads=heads,
-        key_dim=config.get("head_dim") or dim // heads,
-        num_key_value_heads=config["num_key_value_heads"],
-        use_bias=False,
-        dropout=config["dropout"],
-        dropout_on="output",
+    return common.decoder_options(
+        config,
+        dim,
         sliding_window=config["sliding_window"],
-        rope_max_wavelength=config["rope_max_wavelength"],
         rope_scaling_factor=config["rope_scaling_factor"],
-        kernel_initializer=common.clone(config["kernel_initializer"]),
-        fully_masked_rows="builtin",
     )
 
 
@@ -54,7 +38,7 @@ ADAPTERS = {
         options=_options,
         call=common.self_attention,
         decoder_mask=common.causal_decoder_mask,
-        weights=lambda layer: common.weights(layer, _MIXTRAL_PROJECTIONS),
+        weights=lambda layer: common.weights(layer, common.PUBLIC_PROJECTIONS),
         notes=_NOTES,
     ),
 }

@@ -7,29 +7,9 @@ the call's last position passes `pretraining_sequence_length`, `cos`/`sin` times
 from keras_mha.hub import common
 from keras_mha.hub.adapter import Entry
 
-# Phi-3's sublayers are public attributes.
-_PROJECTIONS = {
-    "query_dense": "query_dense",
-    "key_dense": "key_dense",
-    "value_dense": "value_dense",
-    "output_dense": "output_dense",
-}
-
 
 def _options(config, dim):
-    heads = config["num_query_heads"]
-    return dict(
-        num_heads=heads,
-        key_dim=dim // heads,
-        num_key_value_heads=config["num_key_value_heads"],
-        use_bias=False,
-        dropout=config["dropout"],
-        dropout_on="output",
-        rope_max_wavelength=config["rope_max_wavelength"],
-        rope_scaling=_longrope(config),
-        kernel_initializer=common.clone(config["kernel_initializer"]),
-        fully_masked_rows="builtin",
-    )
+    return common.decoder_options(config, dim, rope_scaling=_longrope(config))
 
 
 def _longrope(config):
@@ -54,6 +34,6 @@ ADAPTERS = {
         options=_options,
         call=common.self_attention,
         decoder_mask=common.causal_decoder_mask,
-        weights=lambda layer: common.weights(layer, _PROJECTIONS),
+        weights=lambda layer: common.weights(layer, common.PUBLIC_PROJECTIONS),
     ),
 }
