@@ -56,6 +56,9 @@ class Case:
       test checks that it still does, and compares the swapped model's ids with
       greedy decoding by whole forward passes of the original.
     - `generate_kwargs`: added to `generate()`'s arguments.
+    - `kept`: keras-hub attention classes of the model out of scope (`hub.OUT_OF_SCOPE`,
+      T5Gemma 2's decoder): the swap keeps them and moves the rest, and every check
+      runs on the partly swapped model.
     - `inputs`: `(token_ids, padding_mask) -> the task's inputs` (a causal LM's by
       default): its logits are `(B, LENGTH, VOCAB)`, trained against labels of that
       shape, weighted by `padding_mask`.
@@ -79,6 +82,7 @@ class Case:
     generate_fails_on: dict = dataclasses.field(default_factory=dict)
     generate_fails_because: str = None
     generate_kwargs: dict = dataclasses.field(default_factory=dict)
+    kept: tuple = ()
 
 
 # Shared by the decoders below: 1 layer, hidden 16, 4 query heads over 2 key/value heads.
@@ -402,6 +406,50 @@ def _t5():
     return models.T5Seq2SeqLM(backbone, preprocessor=None)
 
 
+def _t5gemma_config(decoder_layer):
+    """Encoder and decoder of other widths (cross-attention's keys and values from the
+    encoder's 16 into the decoder's 8), GQA, biases, soft-capped logits, a scale of
+    `4 ** -0.5`, and a decoder layer of type `decoder_layer` (window 3)."""
+    return dict(
+        vocabulary_size=VOCAB,
+        encoder_hidden_dim=16,
+        encoder_intermediate_dim=8,
+        encoder_num_layers=1,
+        encoder_num_attention_heads=4,
+        encoder_num_key_value_heads=2,
+        encoder_head_dim=4,
+        encoder_layer_types=["sliding_attention"],
+        decoder_hidden_dim=8,
+        decoder_intermediate_dim=8,
+        decoder_num_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_num_key_value_heads=1,
+        decoder_head_dim=4,
+        decoder_layer_types=[decoder_layer],
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=4.0,
+        attention_bias=True,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=30.0,
+    )
+
+
+def _t5gemma():
+    backbone = models.T5GemmaBackbone(**_t5gemma_config("sliding_attention"))
+    return models.T5GemmaSeq2SeqLM(backbone, preprocessor=None)
+
+
+def _t5gemma2():
+    """Text only; QK-norm `x * (1 + w)`; the encoder's window bidirectional. Encoder
+    and decoder of one width: T5Gemma 2's decoder projects the encoder's states with
+    its own kernels."""
+    config = dict(
+        _t5gemma_config("full_attention"), decoder_hidden_dim=16, global_rope_scaling_factor=2.0
+    )
+    backbone = models.T5Gemma2Backbone(**config)
+    return models.T5Gemma2Seq2SeqLM(backbone, preprocessor=None)
+
+
 def _seq2seq_inputs(token_ids, padding_mask):
     """The same tokens to the encoder and (its prompt) to the decoder."""
     return {
@@ -449,6 +497,13 @@ ZOO = {
     "gpt_neo_x": Case(_gpt_neo_x, lora="added"),
     "qwen3_5": Case(_qwen3_5, lora="fused"),
     "t5": Case(_t5, _seq2seq_inputs, generated="decoder_token_ids", lora="added"),
+    "t5gemma": Case(_t5gemma, _seq2seq_inputs, generated="decoder_token_ids"),
+    "t5gemma2": Case(
+        _t5gemma2,
+        _seq2seq_inputs,
+        generated="decoder_token_ids",
+        kept=("keras_hub.src.models.t5gemma2.t5gemma2_attention.T5Gemma2MergedAttention",),
+    ),
     "esm": Case(_esm, _masked_lm_inputs, generated=None, lora="added"),
     "roformer": Case(
         _roformer,
@@ -507,11 +562,26 @@ def pair(request):
 
 
 # --------------------------------------------------------------------------- tests
+def _moved(layers):
+    """The moved ones of `attention_layers`' `(path, layer)` pairs."""
+    return [(path, x) for path, x in layers if isinstance(x, hub.HubAttention)]
+
+
 def test_swap_moves_every_attention_layer(pair):
-    _, model, swapped = pair
+    name, model, swapped = pair
     rows = swapping.swap_report(model, swapped)
-    assert rows and all(row["status"] == swapping.MOVED for row in rows), rows
+    kept = ZOO[name].kept
+    assert rows and any(row["status"] == swapping.MOVED for row in rows), rows
+    assert {row["status"] for row in rows} == {swapping.MOVED} | (
+        {swapping.KEPT} if kept else set()
+    )
     for row, (_, layer) in zip(rows, swapping.attention_layers(swapped)):
+        key = f"{type(layer).__module__}.{type(layer).__name__}"
+        if key in kept:  # out of scope: kept, the reason in one line
+            assert row["status"] == swapping.KEPT
+            assert row["reason"] == hub.OUT_OF_SCOPE[key] and "\n" not in row["reason"]
+            continue
+        assert row["status"] == swapping.MOVED, row
         assert isinstance(layer, hub.HubAttention)
         assert isinstance(layer.attention, keras_mha.MultiHeadAttention)
         assert row["notes"] == list(layer.entry.notes)  # what `keras-mha swap` prints
@@ -588,7 +658,9 @@ def test_saved_swap_loads_with_only_keras_mha_attention(pair, tmp_path):
         warnings.simplefilter("ignore")
         loaded = keras.saving.load_model(path)
     layers = swapping.attention_layers(loaded)
-    assert layers and all(isinstance(x, hub.HubAttention) for _, x in layers)
+    kept = [x for _, x in layers if hub.out_of_scope(x)]
+    assert {f"{type(x).__module__}.{type(x).__name__}" for x in kept} == set(ZOO[name].kept)
+    assert layers and all(isinstance(x, hub.HubAttention) for _, x in layers if x not in kept)
     inputs = _inputs(name)
     np.testing.assert_allclose(
         _logits(loaded, inputs), _logits(model, inputs), atol=ATOL, rtol=1e-5
@@ -604,7 +676,7 @@ def test_enable_lora_gives_the_same_trainable_weights(pair):
         weights = lm.backbone.trainable_weights
         names.append(sorted((w.name, tuple(w.shape)) for w in weights))
     if ZOO[name].lora == "added":
-        layers = len(swapping.attention_layers(swapped))
+        layers = len(_moved(swapping.attention_layers(swapped)))
         added = collections.Counter(names[1]) - collections.Counter(names[0])
         lora = sorted(n for n, _ in added.elements() if n != "bias")  # biases stay trainable
         assert lora == sorted(["lora_kernel_a", "lora_kernel_b"] * (2 * layers))
@@ -627,7 +699,7 @@ def test_int8_quantized_gives_the_same_logits(pair):
     full = _logits(model, inputs)
     for lm in (model, swapped):
         lm.quantize("int8")
-    for _, layer in swapping.attention_layers(swapped):
+    for _, layer in _moved(swapping.attention_layers(swapped)):
         assert layer.attention.query_dense.quantization_mode == "int8"
     expected = _logits(model, inputs)
     assert np.abs(expected - full).max() > 1e-4  # quantized for real
