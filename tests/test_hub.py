@@ -906,6 +906,46 @@ def test_gemma3_bidirectional_window(size):
     np.testing.assert_allclose(to_numpy(ours(x, attention_mask=mask)), expected, atol=ATOL)
 
 
+# ----------------------------------------------------------------------- dropout
+def test_bloom_with_dropout_trains_swapped():
+    """keras-hub's Bloom drops the attention weights and then the projected output
+    (`dropout_on="weights_and_projected_output"`). With dropout the masks differ from
+    keras-hub's (the entry's notes), so the losses do: a swapped Bloom trains, its
+    losses finite and falling; in inference it gives keras-hub's logits."""
+    keras.utils.set_random_seed(0)
+    backbone = models.BloomBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=4,
+        hidden_dim=16,
+        intermediate_dim=8,
+        dropout=0.3,
+    )
+    model = models.BloomCausalLM(backbone, preprocessor=None)
+    _randomize(model, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = keras_mha.swap(model)
+    (_, layer), *_ = swapping.attention_layers(swapped)
+    assert layer.attention.dropout == 0.3
+    assert layer.attention.get_config()["dropout_on"] == "weights_and_projected_output"
+    inputs = _inputs("bloom")
+    np.testing.assert_allclose(
+        _logits(swapped, inputs), _logits(model, inputs), atol=ATOL, rtol=1e-5
+    )
+    training = to_numpy(swapped(inputs, training=True))
+    assert np.abs(training - _logits(swapped, inputs)).max() > 1e-3  # dropout acted
+    token_ids, padding_mask = _tokens(seed=2)
+    labels = np.random.default_rng(3).integers(1, VOCAB, (BATCH, LENGTH)).astype("int32")
+    swapped.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        run_eagerly=RUN_EAGERLY,
+    )
+    losses = [swapped.train_on_batch(inputs, labels, sample_weight=padding_mask) for _ in range(5)]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
 # ------------------------------------------------- where keras-hub's class is wrong
 def _corrected(swapped):
     for _, layer in swapping.attention_layers(swapped):
