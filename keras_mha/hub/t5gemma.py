@@ -8,8 +8,8 @@ keras-hub's `RotaryEmbedding` (halves, as ours). Their blocks build additive mas
 (`(1 - mask) * -1e9`, `(B, 1, T, S)`: padding, causality and the decoder's window, or
 T5Gemma 2's bidirectional encoder window), which keras-hub adds to the soft-capped
 logits: ours gets them as `attention_bias`, added at the same place. Every call returns
-`(output, cache)`, the cache `(B, 2, S, Nkv, H)` (keys after RoPE), with or without a
-cache given.
+`(output, cache)`, the cache `(B, 2, S, Nkv, H)` (keys after RoPE; `None` from
+self-attention called without one).
 """
 
 from keras import ops
@@ -51,15 +51,12 @@ def _value_shape(config, shapes):
 
 
 def _self_attention(attention, x, attention_mask, cache, cache_update_index, training):
-    """Self-attention; without a cache, one of the inputs' length is written from 0
-    (keras-hub returns the keys and values it computed either way)."""
+    """Self-attention; without a cache (the encoder, training), the output and `None`
+    for the keys and values, which keras-hub returns there and none of its models
+    reads (writing them would take the cache's update, which has no gradient on
+    TensorFlow)."""
     if cache is None:
-        batch, length = ops.shape(x)[0], ops.shape(x)[1]
-        cache = ops.zeros(
-            (batch, 2, length, attention.num_key_value_heads, attention.key_dim),
-            attention.compute_dtype,
-        )
-        cache_update_index = 0
+        return attention(x, x, attention_bias=attention_mask, training=training), None
     return attention(
         x,
         x,
@@ -153,8 +150,8 @@ NOTES = (
     "Logits scaled by `query_pre_attn_scalar ** -0.5` (`scale`).",
     "keras-hub's additive masks (`-1e9` where masked: padding, causality, windows) as "
     "`attention_bias`, after the soft cap as keras-hub adds them.",
-    "Called without a cache, it still returns the keys and values it computed, as "
-    "keras-hub's class does.",
+    "Self-attention called without a cache (the encoder, training) returns `None` "
+    "for the keys and values keras-hub returns there, which none of its models reads.",
 )
 
 _MODELS = "keras_hub.src.models."
