@@ -182,9 +182,12 @@ ADAPTERS = {
 
 OUT_OF_SCOPE = {
     _MODELS + "t5gemma2.t5gemma2_attention.T5Gemma2MergedAttention": (
-        "the decoder's self- and cross-attention merged into one softmax: the decoder's "
-        "RoPE'd keys and values concatenated with the encoder's (projected by the same "
-        "kernels, without RoPE) along the key axis; our layer attends over one key "
-        "sequence from one input, with no second key source in the same softmax"
+        "the decoder's self- and cross-attention in one softmax: its keys (QK-normed, RoPE'd) "
+        "concatenated with the encoder's (the same kernels, key-normed, not rotated), kept in "
+        "two caches; the concatenation could be one key input of ours (`key_positions` 0 for "
+        "the encoder's), but keras-hub's prefill writes the decoder's keys at "
+        "`cache_update_index` into one cache and the encoder's into a second, new one in the "
+        "same call, and our layer writes one run of new keys at one index per call (it would "
+        "take a second call whose attention is thrown away); the model's encoder moves"
     ),
 }
