@@ -946,6 +946,32 @@ def test_bloom_with_dropout_trains_swapped():
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
 
 
+def test_t5gemma_cross_attention_builds_for_the_encoders_width_and_keeps_the_dtype():
+    """`T5GemmaAttention` names `dtype` (a base `Layer` argument) and calls its Gemma
+    parent with arguments of its own; its cross-attention's key and value projections
+    take the encoder's width (`Entry.value_shape`), its queries the decoder's."""
+    from keras_hub.src.models.t5gemma.t5gemma_attention import T5GemmaAttention
+
+    config = dict(
+        hidden_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        query_pre_attn_scalar=4.0,
+        attention_bias=False,
+        head_dim=4,
+        attention_type="cross",
+        cross_attention_hidden_size=16,
+        dtype="float16",
+    )
+    with keras_mha.swapped():
+        ours = T5GemmaAttention(**config)
+    assert isinstance(ours, hub.HubAttention) and ours.dtype_policy.name == "float16"
+    ours.build([(BATCH, 3, 8), (BATCH, LENGTH, 16)])
+    assert tuple(ours.attention.query_dense.kernel.shape) == (8, 2, 4)
+    assert tuple(ours.attention.key_dense.kernel.shape) == (16, 1, 4)
+    assert ours.attention.compute_dtype == "float16"
+
+
 # ------------------------------------------------- where keras-hub's class is wrong
 def _corrected(swapped):
     for _, layer in swapping.attention_layers(swapped):
