@@ -19,6 +19,7 @@ from keras_mha.hub.adapter import Entry
 
 
 def _initializer(config):
+    """keras-hub's (T5Gemma's and T5Gemma 2's alike): normal, stddev `initializer_range`."""
     from keras_hub.src.models.t5gemma.t5gemma_layers import t5gemma_kernel_initializer
 
     return t5gemma_kernel_initializer(config["initializer_range"])
@@ -120,11 +121,8 @@ def _attributes(config):
 
 # ---------------------------------------------------------------- T5Gemma 2
 def _t5gemma2_options(config, dim):
-    options = _options(dict(config, attention_type="self"), dim)
-    options.update(
-        rope_scaling_factor=config["rope_scaling_factor"],
-        kernel_initializer=_initializer(config),
-    )
+    options = _options(config, dim)  # self-attention (no `attention_type`)
+    options.update(rope_scaling_factor=config["rope_scaling_factor"])
     if config["use_query_key_norm"]:
         options.update(
             normalize_qk=True, norm_unit_offset=True, norm_epsilon=config["rms_norm_eps"]
@@ -167,8 +165,8 @@ ADAPTERS = {
         + (
             "Cross-attention (`attention_type='cross'`): no RoPE; its cache is written by "
             "the call without one and read as it is after (`cache_update_index=None`); on "
-            "each cached step our layer also projects the encoder's states it is given, "
-            "which keras-hub skips (compiled, the unused projection is dropped).",
+            "each cached step our layer also projects the encoder's states it is given "
+            "(unused), which keras-hub does not.",
         ),
     ),
     _MODELS + "t5gemma2.t5gemma2_attention.T5Gemma2Attention": Entry(
