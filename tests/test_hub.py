@@ -56,9 +56,6 @@ class Case:
       test checks that it still does, and compares the swapped model's ids with
       greedy decoding by whole forward passes of the original.
     - `generate_kwargs`: added to `generate()`'s arguments.
-    - `kept`: keras-hub attention classes of the model out of scope (`hub.OUT_OF_SCOPE`,
-      T5Gemma 2's decoder): the swap keeps them and moves the rest, and every check
-      runs on the partly swapped model.
     - `inputs`: `(token_ids, padding_mask) -> the task's inputs` (a causal LM's by
       default): its logits are `(B, LENGTH, VOCAB)`, trained against labels of that
       shape, weighted by `padding_mask`.
@@ -82,7 +79,6 @@ class Case:
     generate_fails_on: dict = dataclasses.field(default_factory=dict)
     generate_fails_because: str = None
     generate_kwargs: dict = dataclasses.field(default_factory=dict)
-    kept: tuple = ()
 
 
 # Shared by the decoders below: 1 layer, hidden 16, 4 query heads over 2 key/value heads.
@@ -440,9 +436,9 @@ def _t5gemma():
 
 
 def _t5gemma2():
-    """Text only; QK-norm `x * (1 + w)`; the encoder's window bidirectional. Encoder
-    and decoder of one width: T5Gemma 2's decoder projects the encoder's states with
-    its own kernels."""
+    """Text only; QK-norm `x * (1 + w)`; the encoder's window bidirectional; the
+    decoder's self- and cross-attention in one softmax. Encoder and decoder of one
+    width: T5Gemma 2's decoder projects the encoder's states with its own kernels."""
     config = dict(
         _t5gemma_config("full_attention"), decoder_hidden_dim=16, global_rope_scaling_factor=2.0
     )
@@ -498,12 +494,7 @@ ZOO = {
     "qwen3_5": Case(_qwen3_5, lora="fused"),
     "t5": Case(_t5, _seq2seq_inputs, generated="decoder_token_ids", lora="added"),
     "t5gemma": Case(_t5gemma, _seq2seq_inputs, generated="decoder_token_ids"),
-    "t5gemma2": Case(
-        _t5gemma2,
-        _seq2seq_inputs,
-        generated="decoder_token_ids",
-        kept=("keras_hub.src.models.t5gemma2.t5gemma2_attention.T5Gemma2MergedAttention",),
-    ),
+    "t5gemma2": Case(_t5gemma2, _seq2seq_inputs, generated="decoder_token_ids"),
     "esm": Case(_esm, _masked_lm_inputs, generated=None, lora="added"),
     "roformer": Case(
         _roformer,
@@ -562,26 +553,11 @@ def pair(request):
 
 
 # --------------------------------------------------------------------------- tests
-def _moved(layers):
-    """The moved ones of `attention_layers`' `(path, layer)` pairs."""
-    return [(path, x) for path, x in layers if isinstance(x, hub.HubAttention)]
-
-
 def test_swap_moves_every_attention_layer(pair):
-    name, model, swapped = pair
+    _, model, swapped = pair
     rows = swapping.swap_report(model, swapped)
-    kept = ZOO[name].kept
-    assert rows and any(row["status"] == swapping.MOVED for row in rows), rows
-    assert {row["status"] for row in rows} == {swapping.MOVED} | (
-        {swapping.KEPT} if kept else set()
-    )
+    assert rows and all(row["status"] == swapping.MOVED for row in rows), rows
     for row, (_, layer) in zip(rows, swapping.attention_layers(swapped)):
-        key = f"{type(layer).__module__}.{type(layer).__name__}"
-        if key in kept:  # out of scope: kept, the reason in one line
-            assert row["status"] == swapping.KEPT
-            assert row["reason"] == hub.OUT_OF_SCOPE[key] and "\n" not in row["reason"]
-            continue
-        assert row["status"] == swapping.MOVED, row
         assert isinstance(layer, hub.HubAttention)
         assert isinstance(layer.attention, keras_mha.MultiHeadAttention)
         assert row["notes"] == list(layer.entry.notes)  # what `keras-mha swap` prints
@@ -658,9 +634,7 @@ def test_saved_swap_loads_with_only_keras_mha_attention(pair, tmp_path):
         warnings.simplefilter("ignore")
         loaded = keras.saving.load_model(path)
     layers = swapping.attention_layers(loaded)
-    kept = [x for _, x in layers if hub.out_of_scope(x)]
-    assert {f"{type(x).__module__}.{type(x).__name__}" for x in kept} == set(ZOO[name].kept)
-    assert layers and all(isinstance(x, hub.HubAttention) for _, x in layers if x not in kept)
+    assert layers and all(isinstance(x, hub.HubAttention) for _, x in layers)
     inputs = _inputs(name)
     np.testing.assert_allclose(
         _logits(loaded, inputs), _logits(model, inputs), atol=ATOL, rtol=1e-5
@@ -676,7 +650,7 @@ def test_enable_lora_gives_the_same_trainable_weights(pair):
         weights = lm.backbone.trainable_weights
         names.append(sorted((w.name, tuple(w.shape)) for w in weights))
     if ZOO[name].lora == "added":
-        layers = len(_moved(swapping.attention_layers(swapped)))
+        layers = len(swapping.attention_layers(swapped))
         added = collections.Counter(names[1]) - collections.Counter(names[0])
         lora = sorted(n for n, _ in added.elements() if n != "bias")  # biases stay trainable
         assert lora == sorted(["lora_kernel_a", "lora_kernel_b"] * (2 * layers))
@@ -699,7 +673,7 @@ def test_int8_quantized_gives_the_same_logits(pair):
     full = _logits(model, inputs)
     for lm in (model, swapped):
         lm.quantize("int8")
-    for _, layer in _moved(swapping.attention_layers(swapped)):
+    for _, layer in swapping.attention_layers(swapped):
         assert layer.attention.query_dense.quantization_mode == "int8"
     expected = _logits(model, inputs)
     assert np.abs(expected - full).max() > 1e-4  # quantized for real
@@ -970,6 +944,63 @@ def test_t5gemma_cross_attention_builds_for_the_encoders_width_and_keeps_the_dty
     assert tuple(ours.attention.query_dense.kernel.shape) == (8, 2, 4)
     assert tuple(ours.attention.key_dense.kernel.shape) == (16, 1, 4)
     assert ours.attention.compute_dtype == "float16"
+
+
+@pytest.mark.parametrize("index", [0, 2])
+def test_t5gemma2_merged_attention_prefill_and_decoding(index):
+    """`T5Gemma2MergedAttention` (one softmax over the decoder's keys and the
+    encoder's): a prefill (its self cache given, no cross cache) at `index` (0, as
+    keras-hub's models pass it; 2, the moved layer's first call writing the encoder's
+    keys), then a decoding step over both caches: the same outputs and caches."""
+    from keras_hub.src.models.t5gemma2.t5gemma2_attention import T5Gemma2MergedAttention
+
+    config = dict(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        query_pre_attn_scalar=4.0,
+        attention_bias=True,
+        head_dim=4,
+        attn_logit_softcapping=2.0,
+        rope_scaling_factor=2.0,
+    )
+    t, s, length = 3, 5, LENGTH
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(BATCH, t, 16)).astype("float32")
+    encoder = rng.normal(size=(BATCH, s, 16)).astype("float32")
+    self_cache = rng.normal(size=(BATCH, 2, length, 2, 4)).astype("float32")
+    theirs = T5Gemma2MergedAttention(**config)
+    theirs.build([x.shape, encoder.shape])
+    for weight in theirs.weights:
+        weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+    with keras_mha.swapped():
+        ours = T5Gemma2MergedAttention(**config)
+    assert isinstance(ours, hub.HubAttention)
+    ours.build([x.shape, encoder.shape])
+    ours.port(theirs)
+
+    def mask(queries, start):  # causal over the self keys, the encoder's last key padded
+        causal = np.arange(length)[None] <= np.arange(queries)[:, None] + start
+        cross = np.ones((queries, s), bool)
+        cross[:, -1] = False
+        visible = np.concatenate([causal, cross], axis=-1)[None, None]
+        return ((1.0 - visible.astype("float32")) * -1e9).repeat(BATCH, axis=0)
+
+    results = []
+    for layer in (theirs, ours):
+        out, (own, cross) = layer(
+            x, encoder, attention_mask=mask(t, index), cache=(self_cache, None),
+            cache_update_index=index,
+        )  # fmt: skip
+        step = index + t
+        token = x[:, :1]
+        out_step, (own_step, _) = layer(
+            token, encoder, attention_mask=mask(1, step), cache=(own, cross),
+            cache_update_index=step,
+        )  # fmt: skip
+        results.append([to_numpy(a) for a in (out, own, cross, out_step, own_step)])
+    for ours_value, theirs_value in zip(results[1], results[0]):
+        np.testing.assert_allclose(ours_value, theirs_value, atol=ATOL, rtol=1e-5)
 
 
 # ------------------------------------------------- where keras-hub's class is wrong

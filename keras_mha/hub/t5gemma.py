@@ -144,6 +144,86 @@ def _t5gemma2_weights(layer):
     return found
 
 
+# ------------------------------------------------- T5Gemma 2's decoder (merged)
+def _positions(batch, start, length):
+    """`(B, length)` positions `start, start + 1, ...`."""
+    steps = ops.arange(length, dtype="int32")[None] + ops.cast(start, "int32")
+    return ops.broadcast_to(steps, (batch, length))
+
+
+def _merged_call(
+    attention,
+    inputs,
+    encoder_hidden_states,
+    attention_mask=None,
+    cache=None,
+    cache_update_index=None,
+    training=None,
+):
+    """`T5Gemma2MergedAttention`'s protocol, one softmax over the decoder's keys and
+    the encoder's: ours gets the encoder's keys first, then the decoder's, as one key
+    sequence (a cache `(B, 2, S + L, Nkv, H)` when decoding), the encoder's at RoPE
+    position 0 (the identity: they are not rotated), and keras-hub's merged mask
+    (self part, then cross part) reordered to match. Returns `(output, (self cache,
+    cross cache))`; `(None, None)` without caches (training: no keras-hub model reads
+    them)."""
+    x, encoder = inputs, encoder_hidden_states
+    self_cache, cross_cache = (None, None) if cache is None else cache
+    batch, length = ops.shape(x)[0], ops.shape(x)[1]
+    enc_length = ops.shape(encoder)[1] if cross_cache is None else ops.shape(cross_cache)[2]
+    self_length = length if self_cache is None else ops.shape(self_cache)[2]
+    bias = attention_mask
+    if bias is not None:  # keras-hub: [self, cross]; ours: [cross, self]
+        if bias.shape[-1] is not None and bias.shape[-1] == self_length:  # no cross mask
+            bias = ops.pad(bias, [[0, 0]] * 3 + [[0, enc_length]])
+        bias = ops.concatenate([bias[..., self_length:], bias[..., :self_length]], axis=-1)
+    start = 0 if cache_update_index is None else cache_update_index
+    options = dict(
+        attention_bias=bias, training=training, positions=_positions(batch, start, length)
+    )
+    if self_cache is None:  # training: no cache
+        keys = ops.concatenate([encoder, x], axis=1)
+        key_positions = ops.concatenate(
+            [_positions(batch, 0, enc_length) * 0, _positions(batch, 0, length)], axis=1
+        )
+        options.pop("positions")  # the queries' are `t` (ours takes no others here)
+        return attention(x, keys, key_positions=key_positions, **options), (None, None)
+    if cross_cache is None:
+        # The prefill: the encoder's keys and values are written too, before the
+        # decoder's. keras-hub's models pass index 0: one run of new keys.
+        shape = (batch, 2, enc_length, attention.num_key_value_heads, attention.key_dim)
+        empty = ops.zeros(shape, self_cache.dtype)
+        combined = ops.concatenate([empty, self_cache], axis=2)
+        if isinstance(cache_update_index, int) and cache_update_index == 0:
+            keys = ops.concatenate([encoder, x], axis=1)
+            key_positions = ops.concatenate(
+                [_positions(batch, 0, enc_length) * 0, _positions(batch, 0, length)], axis=1
+            )
+            output, combined = attention(
+                x,
+                keys,
+                cache=combined,
+                cache_update_index=0,
+                key_positions=key_positions,
+                **options,
+            )
+            return output, (combined[:, :, enc_length:], combined[:, :, :enc_length])
+        # Elsewhere, a first call writes the encoder's (its attention unused).
+        _, combined = attention(
+            encoder,
+            encoder,
+            cache=combined,
+            cache_update_index=0,
+            positions=_positions(batch, 0, enc_length) * 0,
+        )
+    else:
+        combined = ops.concatenate([cross_cache, self_cache], axis=2)
+    output, combined = attention(
+        x, x, cache=combined, cache_update_index=enc_length + start, **options
+    )
+    return output, (combined[:, :, enc_length:], combined[:, :, :enc_length])
+
+
 NOTES = (
     "Logits scaled by `query_pre_attn_scalar ** -0.5` (`scale`).",
     "keras-hub's additive masks (`-1e9` where masked: padding, causality, windows) as "
@@ -176,16 +256,22 @@ ADAPTERS = {
         attributes=_attributes,
         notes=NOTES + ("QK-norm `x * (1 + w)` (`norm_unit_offset`), Gemma 3's.",),
     ),
-}
-
-OUT_OF_SCOPE = {
-    _MODELS + "t5gemma2.t5gemma2_attention.T5Gemma2MergedAttention": (
-        "the decoder's self- and cross-attention in one softmax: its keys (QK-normed, RoPE'd) "
-        "concatenated with the encoder's (the same kernels, key-normed, not rotated), kept in "
-        "two caches; the concatenation could be one key input of ours (`key_positions` 0 for "
-        "the encoder's), but keras-hub's prefill writes the decoder's keys at "
-        "`cache_update_index` into one cache and the encoder's into a second, new one in the "
-        "same call, and our layer writes one run of new keys at one index per call (it would "
-        "take a second call whose attention is thrown away); the model's encoder moves"
+    _MODELS + "t5gemma2.t5gemma2_attention.T5Gemma2MergedAttention": Entry(
+        options=_t5gemma2_options,
+        call=_merged_call,
+        weights=_t5gemma2_weights,
+        attributes=_attributes,
+        notes=(
+            "Logits scaled by `query_pre_attn_scalar ** -0.5` (`scale`); QK-norm `x * (1 + w)`.",
+            "One key sequence: the encoder's keys first (RoPE position 0, the identity), "
+            "then the decoder's; keras-hub's merged additive mask reordered to match, as "
+            "`attention_bias`; its two caches joined for each call and split back.",
+            "A prefill at a `cache_update_index` other than 0 (keras-hub's models pass 0) "
+            "writes the encoder's keys by a first call whose attention is unused.",
+            "Called without caches (training) it returns `(None, None)` for the caches "
+            "keras-hub returns there, which none of its models reads.",
+        ),
     ),
 }
+
+OUT_OF_SCOPE = {}
