@@ -1,15 +1,15 @@
 """T5Gemma 1 (`T5GemmaAttention`: the encoder's self-attention, the decoder's self- and
-cross-attention) and T5Gemma 2's encoder (`T5Gemma2Attention`); T5Gemma 2's decoder
-attention (`T5Gemma2MergedAttention`) out of scope.
+cross-attention) and T5Gemma 2 (`T5Gemma2Attention`, the encoder's;
+`T5Gemma2MergedAttention`, the decoder's self- and cross-attention in one softmax).
 
-Both classes subclass Gemma's (`CachedGemmaAttention`, `CachedGemma3Attention`) but
-lay their kernels out as ours (`(dim, N, H)`, `"btd,dnh->btnh"`) and rotate with
-keras-hub's `RotaryEmbedding` (halves, as ours). Their blocks build additive masks
-(`(1 - mask) * -1e9`, `(B, 1, T, S)`: padding, causality and the decoder's window, or
-T5Gemma 2's bidirectional encoder window), which keras-hub adds to the soft-capped
-logits: ours gets them as `attention_bias`, added at the same place. Every call returns
-`(output, cache)`, the cache `(B, 2, S, Nkv, H)` (keys after RoPE; `None` from
-self-attention called without one).
+The classes subclass Gemma's (`CachedGemmaAttention`, `CachedGemma3Attention`) but lay
+their kernels out as ours (`(dim, N, H)`, `"btd,dnh->btnh"`) and rotate with keras-hub's
+`RotaryEmbedding` (halves, as ours). Their blocks build additive masks (`(1 - mask) *
+-1e9`, `(B, 1, T, S)`: padding, causality and the decoder's window, or T5Gemma 2's
+bidirectional encoder window), which keras-hub adds to the soft-capped logits: ours gets
+them as `attention_bias`, added at the same place. Calls return `(output, cache)`, the
+cache `(B, 2, S, Nkv, H)` (keys after RoPE), or `None` where keras-hub's models do not
+read it (self-attention called without one).
 """
 
 from keras import ops
