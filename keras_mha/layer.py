@@ -22,7 +22,7 @@ from keras_mha import sinks as sinks_lib
 # What a query row with no visible key gets: see the `fully_masked_rows` argument.
 FULLY_MASKED_ROWS = ("zero", "builtin")
 # Where attention dropout applies: see the `dropout_on` argument.
-DROPOUT_ON = ("weights", "output")
+DROPOUT_ON = ("weights", "output", "weights_and_projected_output")
 _MASK_ARGUMENTS = ("query_mask", "value_mask", "key_mask", "attention_mask")
 # Packed rows: integer per-position arguments, given as lists too.
 _ID_ARGUMENTS = ("segment_ids", "key_segment_ids", "positions", "key_positions")
@@ -83,8 +83,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         num_heads: Number of attention heads `N`.
         key_dim: Size `H` of each head for query and key (per head, not in total).
         value_dim: Size of each head for value; `None` means `key_dim`.
-        dropout: Dropout rate, in [0, 1): on the attention weights, or on the
-            attention output with `dropout_on="output"`.
+        dropout: Dropout rate, in [0, 1): on the attention weights, or where
+            `dropout_on` says.
         use_bias: Whether the projections have biases (the output projection's:
             see `use_output_bias`).
         output_shape: Trailing output shape, an int or a tuple; `None` projects back
@@ -218,12 +218,16 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         dropout_on: Where `dropout` applies: "weights" (the default, the
             built-in's: the attention weights after the softmax; the mask is a hash
             of the seed and each weight's position, the same on every kernel and
-            backend for the same seed) or "output": the attention output
+            backend for the same seed); "output": the attention output
             `(B, T, N, value_dim)`, just before the output projection, as keras-hub's
             Llama, Mistral, Qwen, Phi-3 and GPT-OSS attention drop it (a
             `keras.layers.Dropout` drawing from the layer's `seed`: the same masks
             for the same seed on one backend, other masks on another). With
-            "output", training calls keep the fused kernel.
+            "output", training calls keep the fused kernel. Or
+            "weights_and_projected_output": the attention weights (as "weights"),
+            then, at the same rate, the layer's output `(B, T, out)` after the
+            output projection and its bias (a `keras.layers.Dropout` as
+            "output"), as keras-hub's Bloom attention drops both.
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -763,6 +767,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         if self._dropout_on == "output" and self._dropout > 0.0:
             attention_output = self._dropout_layer(attention_output, training=training)
         output = self._output_dense(attention_output)
+        if self._dropout_on == "weights_and_projected_output" and self._dropout > 0.0:
+            output = self._dropout_layer(output, training=training)
         if output_mask is not None:
             masks_lib.set_keras_mask(output, output_mask)
         if need_scores and len(query.shape) == 3:
@@ -1082,8 +1088,12 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
 
     @property
     def _drops_weights(self):
-        """Whether attention dropout applies to the weights (`dropout_on="weights"`)."""
-        return self._dropout > 0.0 and self._dropout_on == "weights"
+        """Whether attention dropout applies to the weights (`dropout_on="weights"`
+        or "weights_and_projected_output")."""
+        return self._dropout > 0.0 and self._dropout_on in (
+            "weights",
+            "weights_and_projected_output",
+        )
 
     # ---------------------------------------------------------------------- shapes
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):

@@ -402,6 +402,50 @@ def _t5():
     return models.T5Seq2SeqLM(backbone, preprocessor=None)
 
 
+def _t5gemma_config(decoder_layer):
+    """Encoder and decoder of other widths (cross-attention's keys and values from the
+    encoder's 16 into the decoder's 8), GQA, biases, soft-capped logits, a scale of
+    `4 ** -0.5`, and a decoder layer of type `decoder_layer` (window 3)."""
+    return dict(
+        vocabulary_size=VOCAB,
+        encoder_hidden_dim=16,
+        encoder_intermediate_dim=8,
+        encoder_num_layers=1,
+        encoder_num_attention_heads=4,
+        encoder_num_key_value_heads=2,
+        encoder_head_dim=4,
+        encoder_layer_types=["sliding_attention"],
+        decoder_hidden_dim=8,
+        decoder_intermediate_dim=8,
+        decoder_num_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_num_key_value_heads=1,
+        decoder_head_dim=4,
+        decoder_layer_types=[decoder_layer],
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=4.0,
+        attention_bias=True,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=30.0,
+    )
+
+
+def _t5gemma():
+    backbone = models.T5GemmaBackbone(**_t5gemma_config("sliding_attention"))
+    return models.T5GemmaSeq2SeqLM(backbone, preprocessor=None)
+
+
+def _t5gemma2():
+    """Text only; QK-norm `x * (1 + w)`; the encoder's window bidirectional; the
+    decoder's self- and cross-attention in one softmax. Encoder and decoder of one
+    width: T5Gemma 2's decoder projects the encoder's states with its own kernels."""
+    config = dict(
+        _t5gemma_config("full_attention"), decoder_hidden_dim=16, global_rope_scaling_factor=2.0
+    )
+    backbone = models.T5Gemma2Backbone(**config)
+    return models.T5Gemma2Seq2SeqLM(backbone, preprocessor=None)
+
+
 def _seq2seq_inputs(token_ids, padding_mask):
     """The same tokens to the encoder and (its prompt) to the decoder."""
     return {
@@ -449,6 +493,8 @@ ZOO = {
     "gpt_neo_x": Case(_gpt_neo_x, lora="added"),
     "qwen3_5": Case(_qwen3_5, lora="fused"),
     "t5": Case(_t5, _seq2seq_inputs, generated="decoder_token_ids", lora="added"),
+    "t5gemma": Case(_t5gemma, _seq2seq_inputs, generated="decoder_token_ids"),
+    "t5gemma2": Case(_t5gemma2, _seq2seq_inputs, generated="decoder_token_ids"),
     "esm": Case(_esm, _masked_lm_inputs, generated=None, lora="added"),
     "roformer": Case(
         _roformer,
@@ -832,6 +878,129 @@ def test_gemma3_bidirectional_window(size):
     assert ours.attention._sliding_window == (size - size // 2 - 1, size // 2)
     expected = to_numpy(theirs(x, attention_mask=mask))
     np.testing.assert_allclose(to_numpy(ours(x, attention_mask=mask)), expected, atol=ATOL)
+
+
+# ----------------------------------------------------------------------- dropout
+def test_bloom_with_dropout_trains_swapped():
+    """keras-hub's Bloom drops the attention weights and then the projected output
+    (`dropout_on="weights_and_projected_output"`). With dropout the masks differ from
+    keras-hub's (the entry's notes), so the losses do: a swapped Bloom trains, its
+    losses finite and falling; in inference it gives keras-hub's logits."""
+    keras.utils.set_random_seed(0)
+    backbone = models.BloomBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=4,
+        hidden_dim=16,
+        intermediate_dim=8,
+        dropout=0.3,
+    )
+    model = models.BloomCausalLM(backbone, preprocessor=None)
+    _randomize(model, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = keras_mha.swap(model)
+    (_, layer), *_ = swapping.attention_layers(swapped)
+    assert layer.attention.dropout == 0.3
+    assert layer.attention.get_config()["dropout_on"] == "weights_and_projected_output"
+    inputs = _inputs("bloom")
+    np.testing.assert_allclose(
+        _logits(swapped, inputs), _logits(model, inputs), atol=ATOL, rtol=1e-5
+    )
+    training = to_numpy(swapped(inputs, training=True))
+    assert np.abs(training - _logits(swapped, inputs)).max() > 1e-3  # dropout acted
+    token_ids, padding_mask = _tokens(seed=2)
+    labels = np.random.default_rng(3).integers(1, VOCAB, (BATCH, LENGTH)).astype("int32")
+    swapped.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        run_eagerly=RUN_EAGERLY,
+    )
+    losses = [swapped.train_on_batch(inputs, labels, sample_weight=padding_mask) for _ in range(5)]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
+def test_t5gemma_cross_attention_builds_for_the_encoders_width_and_keeps_the_dtype():
+    """`T5GemmaAttention` names `dtype` (a base `Layer` argument) and calls its Gemma
+    parent with arguments of its own; its cross-attention's key and value projections
+    take the encoder's width (`Entry.value_shape`), its queries the decoder's."""
+    from keras_hub.src.models.t5gemma.t5gemma_attention import T5GemmaAttention
+
+    config = dict(
+        hidden_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        query_pre_attn_scalar=4.0,
+        attention_bias=False,
+        head_dim=4,
+        attention_type="cross",
+        cross_attention_hidden_size=16,
+        dtype="float16",
+    )
+    with keras_mha.swapped():
+        ours = T5GemmaAttention(**config)
+    assert isinstance(ours, hub.HubAttention) and ours.dtype_policy.name == "float16"
+    ours.build([(BATCH, 3, 8), (BATCH, LENGTH, 16)])
+    assert tuple(ours.attention.query_dense.kernel.shape) == (8, 2, 4)
+    assert tuple(ours.attention.key_dense.kernel.shape) == (16, 1, 4)
+    assert ours.attention.compute_dtype == "float16"
+
+
+@pytest.mark.parametrize("index", [0, 2])
+def test_t5gemma2_merged_attention_prefill_and_decoding(index):
+    """`T5Gemma2MergedAttention` (one softmax over the decoder's keys and the
+    encoder's): a prefill (its self cache given, no cross cache) at `index` (0, as
+    keras-hub's models pass it; 2, the moved layer's first call writing the encoder's
+    keys), then a decoding step over both caches: the same outputs and caches."""
+    from keras_hub.src.models.t5gemma2.t5gemma2_attention import T5Gemma2MergedAttention
+
+    config = dict(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        query_pre_attn_scalar=4.0,
+        attention_bias=True,
+        head_dim=4,
+        attn_logit_softcapping=2.0,
+        rope_scaling_factor=2.0,
+    )
+    t, s, length = 3, 5, LENGTH
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(BATCH, t, 16)).astype("float32")
+    encoder = rng.normal(size=(BATCH, s, 16)).astype("float32")
+    self_cache = rng.normal(size=(BATCH, 2, length, 2, 4)).astype("float32")
+    theirs = T5Gemma2MergedAttention(**config)
+    theirs.build([x.shape, encoder.shape])
+    for weight in theirs.weights:
+        weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+    with keras_mha.swapped():
+        ours = T5Gemma2MergedAttention(**config)
+    assert isinstance(ours, hub.HubAttention)
+    ours.build([x.shape, encoder.shape])
+    ours.port(theirs)
+
+    def mask(queries, start):  # causal over the self keys, the encoder's last key padded
+        causal = np.arange(length)[None] <= np.arange(queries)[:, None] + start
+        cross = np.ones((queries, s), bool)
+        cross[:, -1] = False
+        visible = np.concatenate([causal, cross], axis=-1)[None, None]
+        return ((1.0 - visible.astype("float32")) * -1e9).repeat(BATCH, axis=0)
+
+    results = []
+    for layer in (theirs, ours):
+        out, (own, cross) = layer(
+            x, encoder, attention_mask=mask(t, index), cache=(self_cache, None),
+            cache_update_index=index,
+        )  # fmt: skip
+        step = index + t
+        token = x[:, :1]
+        out_step, (own_step, _) = layer(
+            token, encoder, attention_mask=mask(1, step), cache=(own, cross),
+            cache_update_index=step,
+        )  # fmt: skip
+        results.append([to_numpy(a) for a in (out, own, cross, out_step, own_step)])
+    for ours_value, theirs_value in zip(results[1], results[0]):
+        np.testing.assert_allclose(ours_value, theirs_value, atol=ATOL, rtol=1e-5)
 
 
 # ------------------------------------------------- where keras-hub's class is wrong

@@ -496,6 +496,44 @@ def test_dropout_on_output_is_reproducible_with_a_seed():
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_dropout_on_weights_and_projected_output_drops_both(implementation):
+    """`dropout_on="weights_and_projected_output"` (keras-hub's Bloom): the weights
+    dropped as with "weights" (the same seed drops the same ones), then each entry of
+    the projected `(B, T, out)` output 0 or divided by `1 - rate`, forward and
+    backward; in inference, the float64 reference."""
+    rate = 0.4
+    on = "weights_and_projected_output"
+    x, padding, weights = _option_inputs()
+    weights = weights.astype("float32")
+
+    def run(dropout_on, loss_weights):
+        layer = _option_layer("scale", implementation, dropout=rate, dropout_on=dropout_on, seed=3)
+        loss = lambda y: ops.sum(y * ops.convert_to_tensor(loss_weights))  # noqa: E731
+        inputs = {"query": x, "value": x}
+        out, _, grads, _ = output_and_gradients(
+            layer, inputs, loss, value_mask=padding, training=True
+        )
+        return layer, out, grads
+
+    layer, out, grads = run(on, weights)
+    keep = out != 0
+    assert keep.any() and not keep.all()
+    # The same weights dropped ("weights", the same seed), then the projected output.
+    _, dropped_weights, expected = run("weights", weights * keep / (1 - rate))
+    np.testing.assert_allclose(
+        out, np.where(keep, dropped_weights / (1 - rate), 0.0), atol=ATOL, rtol=1e-5
+    )
+    for name in ("query", "value"):
+        np.testing.assert_allclose(grads[name], expected[name], atol=1e-4)
+    plain = _option_reference(layer, x, x, padding, False)
+    assert np.abs(dropped_weights - plain).max() > 1e-2  # the weights were dropped too
+    np.testing.assert_allclose(to_numpy(layer(x, x, value_mask=padding)), plain, atol=ATOL)
+    config = layer.get_config()
+    assert config["dropout_on"] == on
+    assert keras_mha.MultiHeadAttention.from_config(config).get_config() == config
+
+
 # -------------------------------------------------------- weights, config, saving
 def test_use_output_bias_weights_are_the_builtins_without_the_output_bias():
     builtin = keras.layers.MultiHeadAttention(OHEADS, OKEY_DIM)

@@ -47,6 +47,10 @@ class Entry:
             (`weights` may name them).
         with_layer: Whether `call` receives the `HubAttention` (its `attention`,
             `corrected` and `layers`) instead of our layer.
+        value_shape: `None` (keys and values from the hidden states), or `(config,
+            input_shape) -> shape`: the shape of the inputs our key and value
+            projections build for, from the shapes the layer is built with
+            (T5Gemma's cross-attention: `[hidden_states, encoder_hidden_states]`).
     """
 
     options: callable
@@ -57,6 +61,7 @@ class Entry:
     attributes: callable = None
     layers: callable = None
     with_layer: bool = False
+    value_shape: callable = None
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -100,15 +105,19 @@ class HubAttention(keras.layers.Layer):
                 setattr(self, name, value)
 
     def build(self, input_shape, *args, **kwargs):
+        shapes = input_shape
         if input_shape and isinstance(input_shape[0], (list, tuple)):
             # Built from a list of shapes, the hidden states' first (SmolLM3).
             input_shape = input_shape[0]
         input_shape = tuple(input_shape)
+        value_shape = input_shape
+        if self.entry.value_shape is not None:
+            value_shape = tuple(self.entry.value_shape(self.config, shapes))
         options = self.entry.options(self.config, input_shape[-1])
         self.attention = layer_lib.MultiHeadAttention(
             **options, dtype=self.dtype_policy, name="attention"
         )
-        self.attention.build(input_shape, input_shape)
+        self.attention.build(input_shape, value_shape)
         if self.entry.layers is not None:
             for name, sublayer in self.entry.layers(self.config).items():
                 sublayer.build(input_shape)
@@ -202,8 +211,15 @@ def constructor_arguments(cls, args, kwargs):
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             layer_kwargs = config.pop(name)
+    if "dtype" in config:  # named by the class (T5Gemma's), still a base argument
+        dtype = config.pop("dtype")
+        if dtype is not None:
+            layer_kwargs = {**layer_kwargs, "dtype": dtype}
     parent = next(c for c in cls.__mro__[1:] if "__init__" in vars(c))
     if parent.__module__.startswith("keras_hub.") and layer_kwargs:
-        inherited, layer_kwargs = constructor_arguments(parent, (), layer_kwargs)
+        try:
+            inherited, layer_kwargs = constructor_arguments(parent, (), layer_kwargs)
+        except TypeError:  # `**kwargs` are base arguments: the class passes its parent its own
+            return config, layer_kwargs
         config = {**inherited, **config}
     return config, layer_kwargs

@@ -16,6 +16,8 @@ def _options(config, dim):
         key_dim=dim // heads,
         use_bias=True,
         dropout=config["dropout"],
+        # keras-hub drops the weights, then (the same layer) the projected output.
+        dropout_on="weights_and_projected_output",
         kernel_initializer=common.clone(config["kernel_initializer"]),
         bias_initializer=common.clone(config["bias_initializer"]),
         fully_masked_rows="builtin",
@@ -73,8 +75,11 @@ ADAPTERS = {
         notes=(
             "ALiBi (keras-hub's `AlibiBias`: slopes `2 ** (-8 i / N)`, keys' absolute "
             "positions, after the scale) as `attention_bias`.",
-            "Dropout: keras-hub drops the attention weights and, with the same rate, the "
-            "output; ours drops the weights only (equal without dropout or in inference).",
+            "Dropout as keras-hub's: the attention weights, then the projected output at "
+            "the same rate (`dropout_on='weights_and_projected_output'`); ours draws its "
+            "masks from our layer's seed (the weights' a hash of their positions), so "
+            "training steps with dropout give other losses than keras-hub's, equal "
+            "without dropout or in inference.",
         ),
     ),
 }
