@@ -145,6 +145,9 @@ def _assert_close(got, want):
     want_out, want_grads = want
     np.testing.assert_allclose(out, want_out, atol=ATOL)
     for name, g, w in zip(("query", "key", "value", "table"), grads, want_grads):
+        if g.dtype == object:  # a table no pattern reads: no gradient (torch, TensorFlow)
+            assert name == "table" and not np.any(w), name
+            continue
         assert np.isfinite(g).all(), name
         np.testing.assert_allclose(g, w, atol=ATOL, err_msg=name)
 
@@ -201,7 +204,11 @@ def test_functional_attention_with_grouped_heads(pattern, implementation):
             args[i] = x
             return float(np.sum(output(*args) * weights))
 
-        np.testing.assert_allclose(g, numeric_gradient(loss, arrays[i]), atol=ATOL)
+        want = numeric_gradient(loss, arrays[i])
+        if g.dtype == object:  # a table no pattern reads: no gradient (torch, TensorFlow)
+            assert i == 3 and not np.any(want)
+            continue
+        np.testing.assert_allclose(g, want, atol=ATOL)
 
 
 def test_score_functions_never_take_the_fused_kernel():
