@@ -7,6 +7,7 @@ size, grouped-query attention and KV-cache decoding; and the layer's argument.""
 import dataclasses
 import functools
 
+import keras
 import numpy as np
 import pytest
 from helpers import BACKEND, to_numpy, value_and_grads
@@ -307,3 +308,34 @@ def test_a_plain_function_is_a_score_function():
     named = to_numpy(keras_mha.attention(q, k, v, score_mod=sm.relative_position()))
     np.testing.assert_allclose(plain, named, atol=1e-6)
     assert np.abs(plain - to_numpy(keras_mha.attention(q, k, v))).max() > 1e-3
+
+
+class _TableAttention(keras.layers.Layer):
+    """Self-attention whose learned relative-bias table is this layer's weight, passed
+    to our layer per call: what a model with T5-style biases writes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras_mha.MultiHeadAttention(N, H, implementation="chunked")
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(N, 2 * MAX_DISTANCE + 1), initializer="zeros")
+        self.attention.build(shape, shape)
+
+    def call(self, x):
+        mod = sm.relative_bias(self.table, MAX_DISTANCE)
+        return self.attention(x, x, use_causal_mask=True, score_mod=mod)
+
+
+def test_a_learned_table_trains_in_a_compiled_fit():
+    """`model.fit` compiles its step as the backend does (XLA on JAX and TensorFlow):
+    the table, read only by the score function, moves."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((4, 6, 8)).astype("float32")
+    y = rng.standard_normal((4, 6, 8)).astype("float32")
+    inputs = keras.Input((6, 8))
+    model = keras.Model(inputs, _TableAttention()(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    table = model.layers[-1].table
+    model.fit(x, y, epochs=1, batch_size=4, verbose=0)
+    assert np.abs(to_numpy(table)).max() > 1e-4
