@@ -44,7 +44,7 @@ from keras import backend, ops
 from keras_mha import checks
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds tensors
 class ScoreMod:
     """A score function and the tensors it reads.
 

@@ -171,7 +171,7 @@ def test_learned_table_gets_a_gradient_that_is_not_zero():
     assert np.abs(grads[3]).max() > 1e-2
 
 
-@pytest.mark.parametrize("pattern", ["alibi", "learned_table"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
 @pytest.mark.parametrize("implementation", [None, "explicit", "chunked", "fused"])
 def test_functional_attention_with_grouped_heads(pattern, implementation):
     """`keras_mha.attention` with 2 key/value heads for 4 query heads: each serves two
@@ -221,14 +221,15 @@ def test_score_functions_never_take_the_fused_kernel():
     assert kernels.policy.choose("fused", kernels.policy.Call(), policy) == "fused"
 
 
-@pytest.mark.parametrize("pattern", ["alibi", "relative_position"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_kv_cache_decoding_matches_the_whole_call(pattern):
     """Decoding one query at a time through the cache: `q_idx` is the query's position
     `cache_update_index + t`, so every step matches the whole causal call's row."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((B, 6, 8)).astype("float32")
+    table = rng.standard_normal((N, 2 * MAX_DISTANCE + 1)).astype("float32")
     layer = keras_mha.MultiHeadAttention(
-        N, H, num_key_value_heads=2, score_mod=PATTERNS[pattern][0](None)
+        N, H, num_key_value_heads=2, score_mod=PATTERNS[pattern][0](table)
     )
     whole = to_numpy(layer(x, x, use_causal_mask=True))
     cache = layer.init_cache(B, 6)
