@@ -817,7 +817,7 @@ class _KeySum:
 
 
 # ------------------------------------------------------------------- score function
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _ScoreModInputs:
     """A score function (`score_mod`, a `ScoreMod`, or `None`) and the tensors it reads as
     the kernel holds them: `args`, its floating tensors (positions `wanted`), are the
