@@ -225,8 +225,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             `cache_update_index + t`. The call argument of the same name overrides
             it. Calls with one run the chunked or the explicit kernel (not the fused
             ones), `(B, T, dim)` inputs only. Saved in the config only when named
-            and reading no tensor; pass one reading tensors (a learned bias table)
-            as the call argument.
+            and reading no tensor. The layer does not track the tensors a score
+            function reads: own a learned bias table in your model and pass it per
+            call (the call argument).
         dropout_on: Where `dropout` applies: "weights" (the default, the
             built-in's: the attention weights after the softmax; the mask is a hash
             of the seed and each weight's position, the same on every kernel and

@@ -340,3 +340,23 @@ def test_a_learned_table_trains_in_a_compiled_fit():
     table = model.layers[-1].table
     model.fit(x, y, epochs=1, batch_size=4, verbose=0)
     assert np.abs(to_numpy(table)).max() > 1e-4
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "explicit"])
+def test_padding_cut_off_keeps_the_positions(implementation):
+    """Eager calls cut padded tails off before the kernel (`kernels/trim.py`): the
+    score function still sees each query's and key's own position. Padding given as
+    `value_mask` (cut) and as the same dense `attention_mask` (not cut) agree."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((B, 7, 8)).astype("float32")
+    valid = np.ones((B, 7), bool)
+    valid[:, 4:] = False
+
+    def parity(score, b, h, q_idx, kv_idx):  # not shift-invariant, unlike ALiBi
+        return score + ops.cast(kv_idx % 2 + q_idx % 3, "float32")
+
+    layer = keras_mha.MultiHeadAttention(N, H, score_mod=parity, implementation=implementation)
+    cut = to_numpy(layer(x, x, query_mask=valid, value_mask=valid, use_causal_mask=True))
+    dense = np.broadcast_to(valid[:, None, :] & valid[:, :, None], (B, 7, 7))
+    whole = to_numpy(layer(x, x, attention_mask=dense, use_causal_mask=True))
+    np.testing.assert_allclose(cut[:, :4], whole[:, :4], atol=ATOL)
