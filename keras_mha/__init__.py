@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import wrapt
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
-    from keras_mha import interop, packing  # noqa: F401
+    from keras_mha import interop, packing, score_mod  # noqa: F401
+    from keras_mha.functional import attention  # noqa: F401
     from keras_mha.layer import MultiHeadAttention  # noqa: F401
     from keras_mha.swapping import save_swapped, swap, swapped  # noqa: F401
 
@@ -29,6 +30,8 @@ _PUBLIC = {
     "save_swapped": ("keras_mha.swapping", "save_swapped"),
     "interop": ("keras_mha.interop", None),
     "packing": ("keras_mha.packing", None),
+    "attention": ("keras_mha.functional", "attention"),
+    "score_mod": ("keras_mha.score_mod", None),
 }
 # Modules whose import registers Keras classes (`register_keras_serializable`).
 _REGISTERING = ("keras_mha.layer", "keras_mha.swapping")

@@ -17,6 +17,7 @@ from keras import constraints, initializers, ops, regularizers
 from keras_mha import builtin_hooks, checks, equations, kernels, norms, projections, rope
 from keras_mha import cache as cache_lib
 from keras_mha import masks as masks_lib
+from keras_mha import score_mod as score_mod_lib
 from keras_mha import sinks as sinks_lib
 
 # What a query row with no visible key gets: see the `fully_masked_rows` argument.
@@ -47,7 +48,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
     off by default): Q_i and K_i RMS-normalised (`normalize_qk`), V_i too
     (`normalize_value`), then Q_i and K_i rotated by position (`rope_max_wavelength`);
     the logits soft-capped (`logit_soft_cap`), then `attention_bias` added, then
-    masked; sink logits in the softmax's denominator (`use_sinks`).
+    masked; sink logits in the softmax's denominator (`use_sinks`). A score function
+    (`score_mod`) changes the logits after the bias, before the masks.
 
     Same arguments, same weights (same order, names and shapes) and the same results
     as the built-in layer, on the tensorflow, jax and torch backends, with these
@@ -215,6 +217,17 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         normalize_value: RMS-normalise the projected values over `value_dim`, with
             no learned scale (so no weight), before the cache is written: the value
             norm of Gemma 3n and Gemma 4.
+        score_mod: `None`, a `keras_mha.score_mod.ScoreMod` (`alibi`, `soft_cap`,
+            `relative_position`, ...) or a function `fn(score, b, h, q_idx, kv_idx)`
+            of `keras.ops` code over the logits after the soft cap and the bias,
+            before the masks (FlexAttention's `score_mod`; the shapes in
+            `keras_mha.score_mod`). `q_idx` is the query's position, with a cache
+            `cache_update_index + t`. The call argument of the same name overrides
+            it. Calls with one run the chunked or the explicit kernel (not the fused
+            ones), `(B, T, dim)` inputs only. Saved in the config only when named
+            and reading no tensor. The layer does not track the tensors a score
+            function reads: own a learned bias table in your model and pass it per
+            call (the call argument).
         dropout_on: Where `dropout` applies: "weights" (the default, the
             built-in's: the attention weights after the softmax; the mask is a hash
             of the seed and each weight's position, the same on every kernel and
@@ -284,6 +297,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             queries and the new keys. Needs `rope_max_wavelength`. With
             `rope_scaling={"type": "mrope", ...}`, also `(B, 3, T)`: time, height
             and width positions per token.
+        score_mod: Optional score function for this call (see the constructor
+            argument), e.g. `score_mod.relative_bias(table, max_distance)` reading a
+            trainable table the caller owns; its floating tensors get gradients.
         key_positions: Optional `(B, S)` integer RoPE positions of the keys passed
             (the new ones, with a cache), when they are not the queries'
             (`positions`, or `cache_update_index + s`): e.g. queries rotated at
@@ -355,6 +371,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         norm_unit_offset=False,
         normalize_value=False,
         dropout_on="weights",
+        score_mod=None,
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -415,6 +432,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         norm_unit_offset = checks.flag("norm_unit_offset", norm_unit_offset)
         normalize_value = checks.flag("normalize_value", normalize_value)
         checks.one_of("dropout_on", dropout_on, DROPOUT_ON)
+        score_mod = score_mod_lib.get(score_mod)
         super().__init__(**kwargs)
         self.supports_masking = True
         self._num_heads = num_heads
@@ -460,6 +478,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         self._norm_unit_offset = norm_unit_offset
         self._normalize_value = normalize_value
         self._dropout_on = dropout_on
+        self._score_mod = score_mod
 
     # ------------------------------------------------------------------ properties
     @property
@@ -559,6 +578,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             "norm_unit_offset": self._norm_unit_offset,
             "normalize_value": self._normalize_value,
             "dropout_on": self._dropout_on,
+            "score_mod": score_mod_lib.config(self._score_mod),
         }
         return {**super().get_config(), **config}
 
@@ -585,6 +605,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
                 f"shape {tuple(query_shape)}",
             )
         checks.free_axes(query_shape, value_shape, normalized_axes)
+        if self._score_mod is not None:
+            _check_score_mod_rank(rank, normalized_axes)
 
         self._query_dense = self._projection(rank, self._num_heads, self._key_dim, "query")
         self._query_dense.build(query_shape)
@@ -682,6 +704,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         positions=None,
         cache_update_mask=None,
         key_positions=None,
+        score_mod=None,
     ):
         if key is None:
             key = value
@@ -759,6 +782,10 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         if segment_ids is not None:
             mask = self._with_segments(mask, segment_ids, key_segment_ids, described)
         bias = {} if attention_bias is None else {"attention_bias": attention_bias}
+        score_mod = self._score_mod if score_mod is None else score_mod_lib.get(score_mod)
+        if score_mod is not None:
+            _check_score_mod_rank(len(query.shape), self._attention_axes)
+            bias["score_mod"] = score_mod.at(cache_update_index)
         attention_output, scores = self._compute_attention(
             projected_query, projected_key, projected_value, mask, training, need_scores, **bias
         )
@@ -1007,6 +1034,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         return_attention_scores=False,
         use_causal_mask=False,
         attention_bias=None,
+        score_mod=None,
     ):
         """Attention over projected heads: the documented override point.
 
@@ -1022,12 +1050,17 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             use_causal_mask: AND a causal mask (with a dense or no `attention_mask`).
             attention_bias: float, broadcastable to `(B, N, T, S)`, added to the
                 logits.
+            score_mod: `None` or a `score_mod.ScoreMod`, applied after the bias.
 
         Returns:
             `(attention_output, attention_scores)`: `(B, T, N, value_dim)` and
             `(B, N, T, S)`, or `None` for the scores when not requested.
         """
         mask = attention_mask
+        if builtin_hooks.overridden(self, "_masked_softmax") and score_mod is not None:
+            raise checks.invalid(
+                "score_mod", "None with a `_masked_softmax` written for the built-in", score_mod
+            )
         if builtin_hooks.overridden(self, "_masked_softmax"):
             # A softmax written for the built-in: its explicit path, which calls it.
             if use_causal_mask:
@@ -1061,6 +1094,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             bias=attention_bias,
             soft_cap=self._logit_soft_cap,
             sinks=self._sinks.sinks if self._use_sinks else None,
+            score_mod=score_mod,
             dropout=self._dropout if self._drops_weights else 0.0,
             seed=seed,
             return_scores=return_attention_scores,
@@ -1124,6 +1158,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         positions=None,
         cache_update_mask=None,
         key_positions=None,
+        score_mod=None,
     ):
         key_shape = None if key is None else key.shape
         output = keras.KerasTensor(
@@ -1143,6 +1178,16 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             tuple(query.shape[:-1]) + heads, key_positions + heads, axes
         )
         return (output, keras.KerasTensor(scores, dtype=self.compute_dtype), *cache_spec)
+
+
+def _check_score_mod_rank(rank, axes):
+    """A score function reads `(B, N, T, S)` logits: `(B, T, dim)` inputs only."""
+    if rank != 3 or len(axes) != 1:
+        raise checks.invalid(
+            "score_mod",
+            "None with N-d attention (a score function needs `(B, T, dim)` inputs)",
+            f"a score function on rank-{rank} inputs with attention_axes={tuple(axes)}",
+        )
 
 
 @functools.cache

@@ -167,6 +167,8 @@ def reference_attention(
     soft_cap=None,
     sinks=None,
     scale=None,
+    score_mod=None,
+    query_offset=0,
 ):
     """Float64 `softmax(q k^T * scale, masked) v` on projected heads.
 
@@ -181,6 +183,11 @@ def reference_attention(
         soft_cap: logits become `cap * tanh(logits / cap)` (before the bias).
         sinks: `(N,)` sink logits joining each row's denominator.
         scale: the logits' scale; `None` means `1 / sqrt(H)`.
+        score_mod: one attention axis only: a NumPy `fn(score, b, h, q_idx, kv_idx)`
+            over the float64 logits `(B, N, T, S)` after the bias, before the mask,
+            with broadcast int index arrays `(B,1,1,1)`, `(1,N,1,1)`, `(1,1,T,1)`,
+            `(1,1,1,S)`.
+        query_offset: the score function's `q_idx` of query 0 (KV-cache decoding).
 
     Returns:
         `(output, weights)`: output like the query with `Hv` channels, and weights in
@@ -205,6 +212,18 @@ def reference_attention(
         logits = soft_cap * np.tanh(logits / soft_cap)
     if bias is not None:
         logits = logits + np.asarray(bias, np.float64)
+    if score_mod is not None:
+        b, n, t, s = logits.shape
+        logits = np.broadcast_to(
+            score_mod(
+                logits,
+                np.arange(b).reshape(-1, 1, 1, 1),
+                np.arange(n).reshape(1, -1, 1, 1),
+                np.arange(t).reshape(1, 1, -1, 1) + query_offset,
+                np.arange(s).reshape(1, 1, 1, -1),
+            ),
+            logits.shape,
+        )
     if sinks is not None:  # heads are the last of the "other" axes
         sinks = np.asarray(sinks, np.float64).reshape((-1, 1, 1))
     flat_mask = None

@@ -4,9 +4,11 @@
 
 - "explicit" (`explicit.py`): the whole scores; the only one that returns them, and
   the only one for N-d attention.
-- "fused" (`fused.py`): the backend's own kernel, where it takes the call as it is.
+- "fused" (`fused.py`): the backend's own kernel, where it takes the call as it is
+  (never with a score function: `policy.fusable`).
 - "chunked" (`chunked.py`): query chunks, never the whole `(T, S)`, forward or
-  backward, with every mask kind, bias, soft cap, sinks and dropout.
+  backward, with every mask kind, bias, soft cap, sinks, score functions
+  (`score_mod.py`) and dropout.
 
 All three share the arithmetic of `logits.py` (float32 softmax, a row with no keys
 gets zero weights, the same dropout mask for the same seed). Which one runs, and with
@@ -38,6 +40,7 @@ def attention(
     bias=None,
     soft_cap=None,
     sinks=None,
+    score_mod=None,
     dropout=0.0,
     seed=None,
     return_scores=False,
@@ -58,6 +61,8 @@ def attention(
         bias: float, broadcastable to the scores `(B, N, T, S)`, added to the logits.
         soft_cap: `None` or `c > 0`: logits become `c * tanh(logits / c)`.
         sinks: `None` or `(N,)` sink logits joining each row's softmax denominator.
+        score_mod: `None` or a `score_mod.ScoreMod`, applied to the logits after
+            the bias, before the mask (rank-4 calls).
         dropout: attention dropout rate; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask, or `None` (no dropout).
         return_scores: also return the weights (explicit kernel).
@@ -92,6 +97,7 @@ def attention(
             bias=kept_bias,
             soft_cap=soft_cap,
             sinks=sinks,
+            score_mod=score_mod,
             implementation=implementation,
             chunk_size=chunk_size,
             flash=flash,
@@ -109,6 +115,7 @@ def attention(
         bias=bias is not None,
         soft_cap=soft_cap is not None,
         sinks=sinks is not None,
+        score_mod=score_mod is not None,
         same_head_dims=key.shape[-1] == value.shape[-1],
         score_entries=_score_entries(query, key),
         one_chunk=_one_chunk(query, chunk_size or rules.chunk_size),
@@ -125,6 +132,7 @@ def attention(
             bias=bias,
             soft_cap=soft_cap,
             sinks=sinks,
+            score_mod=score_mod,
             dropout=dropout,
             seed=seed if dropping else None,
             empty_rows=empty_rows,
@@ -158,6 +166,7 @@ def attention(
         bias=bias,
         soft_cap=soft_cap,
         sinks=sinks,
+        score_mod=score_mod,
         dropout=dropout,
         seed=seed if dropping else None,
         chunk_size=chunk_size,

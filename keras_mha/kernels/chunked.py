@@ -8,7 +8,8 @@ the output and one logsumexp per row are kept.
 Backward (FlashAttention-style, through `keras.ops.custom_gradient`): each chunk's
 weights are recomputed from the saved logsumexp, masks and dropout regenerated chunk
 by chunk, so the backward holds `O(chunk * S)` too. Gradients flow to the query, key,
-value, the attention bias and the sinks.
+value, the attention bias, the sinks and the tensors a score function reads (its
+derivative taken per block by the backend's autodiff: `ScoreMod.vjp`).
 
 The chunks are visited one of three ways (`Policy.loop`, `Policy.dynamic`):
 
@@ -50,6 +51,7 @@ def attention(
     bias=None,
     soft_cap=None,
     sinks=None,
+    score_mod=None,
     dropout=0.0,
     seed=None,
     chunk_size=256,
@@ -70,6 +72,8 @@ def attention(
         bias: float, broadcastable to `(B, N, T, S)`, added to the logits.
         soft_cap: `None` or a positive float.
         sinks: `None` or `(N,)` sink logits.
+        score_mod: `None` or a `score_mod.ScoreMod`, applied per block after the
+            bias; its floating tensors get gradients.
         dropout: attention dropout rate; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask.
         chunk_size: query rows per chunk.
@@ -105,12 +109,14 @@ def attention(
     if sinks is not None:
         tensors.append(_as_tensor(sinks))
     has_bias, has_sinks = bias is not None, sinks is not None
+    mod = _ScoreModInputs.make(score_mod)
+    tensors += mod.args
 
     def unpack(args):
         args = list(args)
         b = args.pop(3) if has_bias else None
         s = args.pop(3) if has_sinks else None
-        return _Inputs(options, *args, b, s)
+        return _Inputs(options, *args[:3], b, s, mod=mod.with_args(args[3:]))
 
     if not differentiable:
         output, _ = _forward(forward_plan, unpack(tensors))
@@ -281,9 +287,10 @@ class _Plan:
 class _Inputs:
     """The kernel's inputs in the heads-first layout the chunks work in."""
 
-    def __init__(self, options, query, key, value, bias, sinks, heads=None):
+    def __init__(self, options, query, key, value, bias, sinks, heads=None, mod=None):
         self.options = options
         self.query, self.key, self.value, self.bias, self.sinks = query, key, value, bias, sinks
+        self.mod = mod if mod is not None else _ScoreModInputs.make(None)
         # One query (a decode step): its logits are taken as `keys @ query^T` from the
         # keys in rows, `(B, N, S, H)`, a transpose that moves whole rows; the keys-last
         # `key_t` (a transpose that moves single floats) is then made only by a backward
@@ -324,7 +331,9 @@ class _Inputs:
             import jax
 
             heads, _ = jax.lax.optimization_barrier((heads, upstream))
-        return _Inputs(self.options, self.query, self.key, self.value, self.bias, self.sinks, heads)
+        return _Inputs(
+            self.options, self.query, self.key, self.value, self.bias, self.sinks, heads, self.mod
+        )
 
     def block(self, start, size, lo, keys):
         return _Block(self, start, size, lo, keys)
@@ -340,7 +349,8 @@ class _Block:
         self.query = masks.slice_along(inputs.q, 2, start, size)
 
     def logits(self):
-        """Float32 logits `(B, N, q, k)`, the block's mask, and `tanh(x / cap)`."""
+        """Float32 logits `(B, N, q, k)`, the block's mask, `tanh(x / cap)`, and the
+        logits before the score function (`None` without one)."""
         inputs, options = self.inputs, self.inputs.options
         keys = ops.shape(inputs.key)[1] if self.keys is None else self.keys
         if inputs.key_rows is None:
@@ -356,13 +366,24 @@ class _Block:
             x = x + ops.cast(
                 masks.block_of(inputs.bias, self.start, self.size, self.lo, keys), "float32"
             )
+        before_mod = None
+        if inputs.mod.score_mod is not None:
+            before_mod = x
+            x = inputs.mod.score_mod(x, *self.indices(keys), tensors=inputs.mod.tensors)
         mask = None
         if options.mask is not None:
             mask = options.mask.block(self.start, self.size, self.lo, keys)
         if self.since is not None:
             cols = ops.arange(keys, dtype="int32")[None, None, None, :] + self.lo
             mask = masks.logical_and(mask, ops.greater_equal(cols, self.since))
-        return x, mask, squashed
+        return x, mask, squashed, before_mod
+
+    def indices(self, keys):
+        """The score function's `(b, h, q_idx, kv_idx)` of this block."""
+        shape = ops.shape(self.query)
+        return self.inputs.mod.score_mod.indices(
+            shape[0], shape[1], self.start, shape[2], self.lo, keys
+        )
 
     def values(self):
         return masks.slice_along(self.inputs.v, 2, self.lo, self.keys)
@@ -384,7 +405,7 @@ class _Block:
 # ------------------------------------------------------------------------- forward
 def _forward_chunk(block):
     """`(output, logsumexp)` of one chunk: `(B, N, q, Hv)` float32, `(B, N, q, 1)`."""
-    x, mask, _ = block.logits()
+    x, mask, _, _ = block.logits()
     weights, logsumexp = logits_lib.softmax_and_logsumexp(x, mask, (-1,), block.inputs.sink)
     weights = ops.cast(block.dropped(weights), block.inputs.v.dtype)
     output = ops.cast(ops.matmul(weights, block.values()), "float32")
@@ -414,7 +435,7 @@ def _forward_blocks(plan, inputs, start, size):
     def step(j, state):
         peak, total, acc = state
         block = plan.key_block_of(inputs, start, size, lo, j)
-        x, mask, _ = block.logits()
+        x, mask, _, _ = block.logits()
         if mask is not None:
             x = ops.where(mask, x, logits_lib.MASKED)
         new_peak = ops.maximum(peak, ops.amax(x, axis=-1, keepdims=True))
@@ -514,9 +535,10 @@ class _Rows:
 
 # ------------------------------------------------------------------------ backward
 def _backward_chunk(block, rows, sink=True):
-    """One chunk's gradients: `(d_query, d_key, d_value, d_logits, d_sink)`, the key
-    and value parts over the chunk's key range; `d_logits` before the soft cap's
-    derivative (what the bias receives); `d_sink` `None` unless `sink`.
+    """One chunk's gradients: `(d_query, d_key, d_value, d_logits, d_sink, d_mod)`,
+    the key and value parts over the chunk's key range; `d_logits` before the score
+    function's and the soft cap's derivatives (what the bias receives); `d_sink`
+    `None` unless `sink`; `d_mod` the score function's tensors' parts (a list).
 
     `rows`: the chunk's rows of the upstream gradient `(B, N, q, Hv)`, the correction
     and the logsumexp `(B, N, q, 1)`, then of the scaled query and the upstream
@@ -526,7 +548,7 @@ def _backward_chunk(block, rows, sink=True):
     its fast matmul (the Benchmarks page, "Distance to the floor")."""
     inputs = block.inputs
     d_out, correction, logsumexp, query_t, d_out_t = rows
-    x, mask, squashed = block.logits()
+    x, mask, squashed, before_mod = block.logits()
     if mask is not None:  # masked weights underflow to 0; a key-less row's too (NO_KEYS)
         x = x + logits_lib.mask_bias(mask)
     weights = ops.exp(x - logsumexp)
@@ -534,13 +556,18 @@ def _backward_chunk(block, rows, sink=True):
     d_value = _product(d_out_t, block.dropped(weights), inputs.v.dtype)  # (B, N, Hv, k)
     d_weights = block.dropped(_matmul(d_out, ops.transpose(values, (0, 1, 3, 2))))
     d_logits = weights * (d_weights - correction)
+    d_mod = []
+    if before_mod is not None:  # masked entries' d_logits are 0: they add nothing
+        keys = ops.shape(x)[3]
+        mod = inputs.mod
+        d_logits, *d_mod = mod.score_mod.vjp(before_mod, block.indices(keys), mod.tensors, d_logits)
     d_raw = d_logits if squashed is None else d_logits * (1.0 - ops.square(squashed))
     keys_t = masks.slice_along(inputs.key_t, 3, block.lo, block.keys)
     d_query = ops.einsum("bnqk,bnhk->bnqh", ops.cast(d_raw, inputs.q.dtype), keys_t)
     d_query = ops.cast(d_query, "float32")
     d_key = _product(query_t, d_raw, inputs.q.dtype)  # (B, N, H, k)
     d_sink = _sink_gradient(inputs, correction, logsumexp) if sink else None
-    return d_query, d_key, d_value, d_logits, d_sink
+    return d_query, d_key, d_value, d_logits, d_sink, d_mod
 
 
 def _sink_gradient(inputs, correction, logsumexp):
@@ -585,14 +612,15 @@ def _backward(plan, inputs, output, logsumexp, upstream):
             # One chunk at a time: two in flight measured no faster and held more.
             with _after(total.done, i, 1):
                 state = visit(start, size, lo, hi, state)
-    d_query, d_key, d_value, d_bias, d_sink = total.finish(state)
+    d_query, d_key, d_value, d_bias, d_sink, d_mod = total.finish(state)
+    d_mod = [ops.cast(d_mod[i], inputs.mod.args[j].dtype) for j, i in enumerate(inputs.mod.wanted)]
     return [
         _from_heads(d_query * inputs.options.scale, inputs.query.dtype),
         _from_keys_last(d_key, inputs.key.dtype),
         _from_keys_last(d_value, inputs.value.dtype),
         None if d_bias is None else ops.cast(d_bias, inputs.bias.dtype),
         None if d_sink is None else ops.cast(d_sink, inputs.sinks.dtype),
-    ]
+    ] + d_mod
 
 
 class _Gradients:
@@ -622,6 +650,7 @@ class _Gradients:
             None if inputs.bias is None else ops.zeros(ops.shape(inputs.bias), "float32"),
             None if inputs.sink is None else ops.zeros(ops.shape(inputs.sinks), "float32"),
         ]
+        state += inputs.mod.zeros()
         return tuple(x for x in state if x is not None)
 
     def shapes(self, state):
@@ -630,15 +659,16 @@ class _Gradients:
 
     def add(self, state, block, parts):
         """`state` with a chunk's gradient `parts` added."""
-        d_query, d_key, d_value, d_logits, d_sink = parts
+        d_query, d_key, d_value, d_logits, d_sink, d_mod = parts
         d_bias = None if self.bias_shape is None else self._bias_part(d_logits)
         if self.plan.loop:
-            return self._add_in_place(state, block, d_query, d_key, d_value, d_bias, d_sink)
+            state = self._add_in_place(state, block, d_query, d_key, d_value, d_bias, d_sink)
+            return _add_mod(state, d_mod)
         if state is None:
             state = _Unrolled(self.plan, self.inputs, self.bias_shape)
         self.d_queries.append(d_query)
         with _after(self.d_queries, len(self.d_queries), 1):
-            state.add(block, d_key, d_value, d_bias, d_sink)
+            state.add(block, d_key, d_value, d_bias, d_sink, d_mod)
         # The next chunks wait for this one's sums, not only its query gradient: the
         # parts of chunks run ahead would otherwise wait, all alive, to be added.
         self.done.append([d_query, state.d_key.sum, state.d_value.sum])
@@ -655,25 +685,29 @@ class _Gradients:
         d_query = ops.zeros((shape[0], shape[1], size, shape[3]), "float32")
         has_bias = self.bias_shape is not None
 
+        mods = len(inputs.mod.zeros())
+        rest = len(state) - mods  # the score function's sums come last
+
         def step(j, sums):
-            d_query, d_key, d_value, *d_bias = sums
+            d_query, d_key, d_value, *d_bias = sums[: len(sums) - mods]
             block = plan.key_block_of(inputs, start, size, lo, j)
             parts = _backward_chunk(block, rows, sink=False)
             at = [0, 0, 0, block.lo]
-            sums = [d_query + parts[0], _add_at(d_key, parts[1], at, False)]
-            sums.append(_add_at(d_value, parts[2], at, False))
+            new = [d_query + parts[0], _add_at(d_key, parts[1], at, False)]
+            new.append(_add_at(d_value, parts[2], at, False))
             if has_bias:
                 part = self._bias_part(parts[3])
-                sums.append(_add_at(d_bias[0], part, self._bias_at(block), False))
-            return tuple(sums)
+                new.append(_add_at(d_bias[0], part, self._bias_at(block), False))
+            return _add_mod(tuple(new) + tuple(sums[len(new) :]), parts[5])
 
-        sums = (d_query, state[1], state[2]) + ((state[3],) if has_bias else ())
-        sums = _loop(count, step, sums, 1)
+        kept = (d_query, state[1], state[2]) + ((state[3],) if has_bias else ())
+        sums = _loop(count, step, kept + tuple(state[rest:]), 1)
         state = list(state)
         state[0] = self.rows.put(state[0], sums[0], start)
-        state[1 : len(sums)] = sums[1:]
+        state[1 : len(kept)] = sums[1 : len(kept)]
+        state[rest:] = sums[len(kept) :]
         if inputs.sink is not None:
-            state[-1] = state[-1] + _sink_gradient(inputs, rows[1], rows[2])
+            state[rest - 1] = state[rest - 1] + _sink_gradient(inputs, rows[1], rows[2])
         return tuple(state)
 
     def _add_in_place(self, state, block, d_query, d_key, d_value, d_bias, d_sink):
@@ -708,7 +742,7 @@ class _Gradients:
             rest = state[3:]
             d_bias = rest.pop(0) if self.bias_shape is not None else None
             d_sink = rest.pop(0) if self.inputs.sink is not None else None
-            return d_query, d_key, d_value, d_bias, d_sink
+            return d_query, d_key, d_value, d_bias, d_sink, rest
         return (self.plan.concat(self.d_queries), *state.finish(self.plan))
 
 
@@ -720,8 +754,10 @@ class _Unrolled:
         self.d_value = _KeySum(plan.key_length, inputs.key_t, channels_of=inputs.v)
         self.bias_shape, self.key_length = bias_shape, plan.key_length
         self.bias_rows, self.bias_sum, self.d_sink = [], None, None
+        self.d_mod = inputs.mod.zeros()
 
-    def add(self, block, d_key, d_value, d_bias, d_sink):
+    def add(self, block, d_key, d_value, d_bias, d_sink, d_mod=()):
+        self.d_mod = _add_mod(self.d_mod, d_mod)
         hi = None if block.keys is None else block.lo + block.keys
         self.d_key.add(d_key, block.lo, hi)
         self.d_value.add(d_value, block.lo, hi)
@@ -739,7 +775,7 @@ class _Unrolled:
         d_bias = self.bias_sum
         if self.bias_rows:
             d_bias = plan.concat(self.bias_rows)
-        return self.d_key.total(), self.d_value.total(), d_bias, self.d_sink
+        return self.d_key.total(), self.d_value.total(), d_bias, self.d_sink, list(self.d_mod)
 
 
 class _KeySum:
@@ -778,6 +814,49 @@ class _KeySum:
         if self.length is not None and self.covered < self.length:
             return _pad_keys(self.sum, 0, self.length - self.covered)
         return self.sum
+
+
+# ------------------------------------------------------------------- score function
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ScoreModInputs:
+    """A score function (`score_mod`, a `ScoreMod`, or `None`) and the tensors it reads as
+    the kernel holds them: `args`, its floating tensors (positions `wanted`), are the
+    custom gradient's inputs; `tensors` all of them, those inputs in their places."""
+
+    score_mod: Any
+    tensors: tuple
+    wanted: tuple
+    args: list
+
+    @classmethod
+    def make(cls, score_mod):
+        if score_mod is None:
+            return cls(None, (), (), [])
+        wanted = score_mod.differentiable
+        args = [_as_tensor(score_mod.tensors[i]) for i in wanted]
+        return cls(score_mod, score_mod.tensors, wanted, args).with_args(args)
+
+    def with_args(self, args):
+        """These inputs with `args` (the custom gradient's copies) in `tensors`."""
+        tensors = list(self.tensors)
+        for i, t in zip(self.wanted, args):
+            tensors[i] = t
+        return dataclasses.replace(self, tensors=tuple(tensors), args=list(args))
+
+    def zeros(self):
+        """Float32 zeros like each tensor: the sums of their gradients."""
+        return [ops.zeros(ops.shape(t), "float32") for t in self.tensors]
+
+
+def _add_mod(state, d_mod):
+    """`state` with the score function's gradient parts `d_mod` added to its last
+    `len(d_mod)` items."""
+    if not d_mod:
+        return state
+    state = list(state)
+    first = len(state) - len(d_mod)
+    state[first:] = [a + b for a, b in zip(state[first:], d_mod)]
+    return tuple(state)
 
 
 # ------------------------------------------------------------------------- helpers

@@ -22,6 +22,7 @@ def attention(
     bias=None,
     soft_cap=None,
     sinks=None,
+    score_mod=None,
     dropout=0.0,
     seed=None,
     empty_rows="zero",
@@ -40,6 +41,8 @@ def attention(
         bias: float, broadcastable to the scores, added to the logits.
         soft_cap: `None` or a positive float.
         sinks: `None` or `(N,)` sink logits.
+        score_mod: `None` or a `score_mod.ScoreMod` (one attention axis, `(B, N,
+            T, S)` scores), applied after the bias; autodiff differentiates it.
         dropout: rate of attention dropout; applies when `seed` is given.
         seed: int `(2,)` tensor seeding the dropout mask.
         empty_rows: what a row with no visible key gets: "zero" weights, or
@@ -58,6 +61,11 @@ def attention(
         x, _ = logits_lib.soft_cap(x, soft_cap)
     if bias is not None:
         x = x + ops.cast(bias, "float32")
+    if score_mod is not None:
+        if len(x.shape) != 4:
+            raise ValueError("A score function needs one attention axis, `(B, N, T, S)` scores.")
+        shape = ops.shape(x)
+        x = score_mod(x, *score_mod.indices(shape[0], shape[1], 0, shape[2], 0, shape[3]))
     rank = len(x.shape)
     axes = tuple(range(rank - num_axes, rank))
     if sinks is not None:

@@ -5,6 +5,7 @@ Order, for a query row against its keys:
     logits  = (q * scale) . k                 float32
     logits  = cap * tanh(logits / cap)        with a soft cap
     logits += bias                            with an attention bias
+    logits  = score_mod(logits, b, h, q, k)   with a score function (`score_mod.py`)
     logits  = masked where the mask is False
     weights = exp(logits - L)                 L = log(sum(exp(logits)) + exp(sink))
     weights = weights * keep / (1 - rate)     attention dropout

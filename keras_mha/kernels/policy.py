@@ -267,6 +267,7 @@ class Call:
         bias: an `attention_bias` is added to the logits.
         soft_cap: logits are soft-capped.
         sinks: the layer has attention sinks.
+        score_mod: a score function changes the logits.
         same_head_dims: `key_dim == value_dim`.
         score_entries: `B x N x T x S` when known while tracing, else `None`.
         one_chunk: the chunked kernel would take the call's queries in one chunk
@@ -280,6 +281,7 @@ class Call:
     bias: bool = False
     soft_cap: bool = False
     sinks: bool = False
+    score_mod: bool = False
     same_head_dims: bool = True
     score_entries: int | None = None
     one_chunk: bool = False
@@ -324,8 +326,9 @@ def _small(call, limit):
 def fusable(call):
     """Whether the backend's fused kernel takes this call: any mask (built chunk by
     chunk where it would otherwise be a `(T, S)` tensor) and a bias, but no dropout
-    (the kernels draw their own), soft cap or sinks."""
-    if call.dropout or call.soft_cap or call.sinks:
+    (the kernels draw their own), soft cap, sinks or score function (torch's
+    `flex_attention` would take one on a GPU; not measured yet, so not taken)."""
+    if call.dropout or call.soft_cap or call.sinks or call.score_mod:
         return False
     # JAX's kernel needs key_dim == value_dim.
     return backend.backend() != "jax" or call.same_head_dims
