@@ -178,6 +178,8 @@ class _Plan:
             chunks = chunks[::-1]
         blocks = 0
         if loop and not dynamic and key_length:  # static shapes: blocks of keys
+            if mask is not None and mask.block_mask is not None:
+                key_block = mask.block_mask.block_size[1]  # its blocks, to skip empty ones
             blocks = min(key_block, key_length)
         # A dynamic loop narrows its chunks' key ranges by the data even where `S` is
         # unknown when tracing (varying lengths under `tf.function`): `S` as a tensor.
@@ -233,19 +235,31 @@ class _Plan:
         `[start, start + size)` visits key blocks `j < count`, keys
         `[lo + j * key_block, lo + (j + 1) * key_block)`, that cover the keys some
         query of the chunk may see (`AttentionMask.visible_range`, computed at run
-        time); `count` is 0 for a chunk that sees no key."""
+        time); `count` is 0 for a chunk that sees no key.
+
+        With a block mask, `lo` is instead the blocks' order: the chunk visits
+        blocks `order[j]`, `j < count`, those its block map leaves non-empty within
+        that range (`BlockMask.visit_order`), and no other."""
         if self.mask is None:
             lo, hi = ops.zeros((), "int32"), ops.convert_to_tensor(self.key_length, "int32")
         else:
             lo, hi = self.mask.visible_range(start, size, self.key_length)
+        if self.mask is not None and self.mask.block_mask is not None:
+            first = start + self.mask.offset
+            return self.mask.block_mask.visit_order(
+                first, first + size - 1, lo, hi, self.key_length
+            )
         return lo, (hi - lo + self.key_block - 1) // self.key_block
 
     def key_block_of(self, inputs, start, size, lo, j):
         """The `_Block` of queries `[start, start + size)` and key block `j` from
-        `lo` (`key_blocks`). The last block's slice is moved back to end at `S`
-        (no padding); its keys before `lo + j * key_block`, another block's, are
-        masked off."""
-        first = lo + j * self.key_block
+        `lo` (`key_blocks`; with a block mask, block `lo[j]`). The last block's slice
+        is moved back to end at `S` (no padding); its keys before
+        `lo + j * key_block`, another block's, are masked off."""
+        if self.mask is not None and self.mask.block_mask is not None:
+            first = ops.take(lo, j) * self.key_block
+        else:
+            first = lo + j * self.key_block
         if self.mask is None and self.key_length % self.key_block == 0:
             return _Block(inputs, start, size, first, self.key_block)  # no block moves
         key_start = ops.minimum(first, self.key_length - self.key_block)

@@ -1,0 +1,393 @@
+"""`keras_mha.block_mask`: masks as code (`mask_mod`) and their block maps.
+
+The patterns are attention-gym's and FlashAttention 4's test masks, written anew here
+from their published definitions, each twice: as a `mask_mod` in `keras.ops` and as a
+dense NumPy mask. The block map is checked against the dense mask; every kernel,
+forward against the float64 reference and backward against the explicit kernel given
+the dense mask; the layer with GQA and a KV cache; and the blocks a compiled loop
+visits are counted.
+"""
+
+import numpy as np
+import pytest
+from helpers import BACKEND, to_numpy, value_and_grads
+from keras import ops
+from reference import reference_attention
+
+from keras_mha import block_mask as bm_lib
+from keras_mha import equations, masks
+from keras_mha.kernels import chunked, explicit, fused, policy
+
+B, N, H = 2, 2, 4
+BLOCK = (4, 3)  # query and key blocks: T and S below are no multiples of them
+ATOL = 3e-5
+EQUATIONS = equations.attention_equations(4, (1,))[:2] + (1,)
+
+
+# ---------------------------------------------------------------------- patterns
+# Each: (t, s) -> (mask_mod, batch, heads, dense (B or 1, N or 1, t, s)).
+def _grid(t, s):
+    return np.arange(t)[:, None], np.arange(s)[None, :]
+
+
+def _causal(t, s):
+    q, k = _grid(t, s)
+    return lambda b, h, qi, ki: ops.greater_equal(qi, ki), None, None, (q >= k)[None, None]
+
+
+def _causal_offset(t, s):  # FlashAttention 4: bottom-right aligned when t != s
+    q, k = _grid(t, s)
+    d = s - t
+    return (lambda b, h, qi, ki: ops.less_equal(ki, qi + d)), None, None, (k <= q + d)[None, None]
+
+
+def _sliding_window(t, s, w=4):  # attention-gym: causal, the last `w` keys
+    q, k = _grid(t, s)
+
+    def mod(b, h, qi, ki):
+        return ops.logical_and(ops.greater_equal(qi, ki), ops.less_equal(qi - ki, w))
+
+    return mod, None, None, ((q >= k) & (q - k <= w))[None, None]
+
+
+def _left_right(t, s, left=3, right=2):  # FA4's local window (left, right), offset s - t
+    q, k = _grid(t, s)
+    d = s - t
+
+    def mod(b, h, qi, ki):
+        return ops.logical_and(ops.greater_equal(ki, qi + d - left), ops.less_equal(ki, qi + d + right))
+
+    return mod, None, None, ((k >= q + d - left) & (k <= q + d + right))[None, None]
+
+
+def _prefix_lm(t, s, prefix=5):
+    q, k = _grid(t, s)
+
+    def mod(b, h, qi, ki):
+        return ops.logical_or(ops.greater_equal(qi, ki), ops.less(ki, prefix))
+
+    return mod, None, None, ((q >= k) | (k < prefix))[None, None]
+
+
+def _document_ids(s):
+    ids = np.zeros((B, s), "int32")
+    ids[0, :5], ids[0, 5:11], ids[0, 11:] = 0, 1, 2
+    ids[1, :3], ids[1, 3:] = 4, 5
+    return ids
+
+
+def _document(t, s):  # packed causal, per batch row (batchified ids)
+    ids = _document_ids(s)
+    flat = ops.convert_to_tensor(ids.reshape(-1))
+
+    def mod(b, h, qi, ki):
+        same = ops.equal(ops.take(flat, b * s + qi), ops.take(flat, b * s + ki))
+        return ops.logical_and(same, ops.greater_equal(qi, ki))
+
+    q, k = _grid(t, s)
+    dense = (ids[:, :t, None] == ids[:, None, :]) & (q >= k)
+    return mod, B, None, dense[:, None]
+
+
+def _dilated(t, s, w=6, dilation=2):  # attention-gym's dilated sliding window
+    q, k = _grid(t, s)
+
+    def mod(b, h, qi, ki):
+        diff = ops.abs(qi - ki)
+        return ops.logical_and(ops.less_equal(diff, w), ops.equal(diff % dilation, 0))
+
+    diff = np.abs(q - k)
+    return mod, None, None, ((diff <= w) & (diff % dilation == 0))[None, None]
+
+
+def _global_sliding(t, s, w=2, g=2):  # global tokens see and are seen by all
+    q, k = _grid(t, s)
+
+    def mod(b, h, qi, ki):
+        local = ops.less_equal(ops.abs(qi - ki), w)
+        return ops.logical_or(local, ops.logical_or(ops.less(qi, g), ops.less(ki, g)))
+
+    return mod, None, None, ((np.abs(q - k) <= w) | (q < g) | (k < g))[None, None]
+
+
+def _batchified(t, s):  # per-row key lengths, causal
+    lengths = np.array([s - 4, s], "int32")
+    lens = ops.convert_to_tensor(lengths)
+
+    def mod(b, h, qi, ki):
+        return ops.logical_and(ops.less(ki, ops.take(lens, b)), ops.greater_equal(qi, ki))
+
+    q, k = _grid(t, s)
+    return mod, B, None, ((k[None] < lengths[:, None, None]) & (q >= k)[None])[:, None]
+
+
+def _per_head(t, s):  # a causal window as wide as 2 h + 1
+    q, k = _grid(t, s)
+
+    def mod(b, h, qi, ki):
+        return ops.logical_and(ops.greater_equal(qi, ki), ops.less_equal(qi - ki, 2 * h + 1))
+
+    dense = (q >= k) & (q - k <= 2 * np.arange(N)[:, None, None] + 1)
+    return mod, None, N, dense[None]
+
+
+def _natten(t, s, width=4, radius=1):  # 2-D neighbourhood on a grid `width` wide
+    q, k = _grid(t, s)
+
+    def mod(b, h, qi, ki):
+        near_x = ops.less_equal(ops.abs(qi % width - ki % width), radius)
+        near_y = ops.less_equal(ops.abs(qi // width - ki // width), radius)
+        return ops.logical_and(near_x, near_y)
+
+    dense = (np.abs(q % width - k % width) <= radius) & (np.abs(q // width - k // width) <= radius)
+    return mod, None, None, dense[None, None]
+
+
+def _mini_causal(t, s, m=5):  # FA4: (q % m) >= (kv % m)
+    q, k = _grid(t, s)
+    return (lambda b, h, qi, ki: ops.greater_equal(qi % m, ki % m)), None, None, (
+        (q % m) >= (k % m)
+    )[None, None]
+
+
+def _block_diagonal(t, s, m=5):  # FA4: q // m == kv // m
+    q, k = _grid(t, s)
+    return (lambda b, h, qi, ki: ops.equal(qi // m, ki // m)), None, None, (q // m == k // m)[
+        None, None
+    ]
+
+
+PATTERNS = {
+    "causal": _causal,
+    "causal-offset": _causal_offset,
+    "sliding-window": _sliding_window,
+    "left-right-window": _left_right,
+    "prefix-lm": _prefix_lm,
+    "document": _document,
+    "dilated": _dilated,
+    "global+sliding": _global_sliding,
+    "batchified": _batchified,
+    "per-head": _per_head,
+    "natten-2d": _natten,
+    "mini-causal": _mini_causal,
+    "block-diagonal": _block_diagonal,
+}
+LENGTHS = [(13, 13), (9, 14)]
+
+
+def _block_mask(name, t, s, block=BLOCK):
+    mod, batch, heads, dense = PATTERNS[name](t, s)
+    return bm_lib.create_block_mask(mod, batch, heads, t, s, block_size=block), dense
+
+
+# ------------------------------------------------------------------- block map
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_block_map_classifies_blocks_as_the_dense_mask(name):
+    t, s = 13, 14
+    mask, dense = _block_mask(name, t, s)
+    np.testing.assert_array_equal(mask.to_dense(), np.broadcast_to(dense, mask.shape))
+    qb, kb = BLOCK
+    full = np.broadcast_to(dense, mask.shape)
+    for i in range(mask.kinds.shape[2]):
+        for j in range(mask.kinds.shape[3]):
+            block = full[:, :, i * qb : (i + 1) * qb, j * kb : (j + 1) * kb]
+            want = np.where(
+                block.all(axis=(2, 3)),
+                bm_lib.FULL,
+                np.where(block.any(axis=(2, 3)), bm_lib.PARTIAL, bm_lib.EMPTY),
+            )
+            np.testing.assert_array_equal(mask.kinds[:, :, i, j], want)
+
+
+def test_and_or_masks_and_named_patterns():
+    t = s = 11
+    q, k = _grid(t, s)
+    window = bm_lib.sliding_window(3)
+    both = bm_lib.create_block_mask(
+        bm_lib.and_masks(bm_lib.causal(), window), None, None, t, s, block_size=4
+    )
+    np.testing.assert_array_equal(both.to_dense()[0, 0], (q >= k) & (q - k <= 3))
+    prefix = bm_lib.create_block_mask(bm_lib.prefix_lm(4), None, None, t, s, block_size=4)
+    np.testing.assert_array_equal(prefix.to_dense()[0, 0], (q >= k) | (k < 4))
+    either = bm_lib.create_block_mask(
+        bm_lib.or_masks(bm_lib.causal(), bm_lib.sliding_window(0, 2)), None, None, t, s, 4
+    )
+    np.testing.assert_array_equal(either.to_dense()[0, 0], (q >= k) | ((k >= q) & (k <= q + 2)))
+    ids = np.array([1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3])
+    docs = bm_lib.create_block_mask(bm_lib.document(ids), None, None, t, s, block_size=4)
+    np.testing.assert_array_equal(docs.to_dense()[0, 0], (ids[:, None] == ids) & (q >= k))
+    assert docs.density < 1.0 and "BlockMask" in repr(docs) and "." in docs.picture()
+
+
+def test_create_block_mask_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="argument `mask_mod`"):
+        bm_lib.create_block_mask("causal", None, None, 4, 4)
+    with pytest.raises(ValueError, match="argument `T`"):
+        bm_lib.create_block_mask(bm_lib.causal(), None, None, 0, 4)
+    with pytest.raises(ValueError, match="argument `block_size`"):
+        bm_lib.create_block_mask(bm_lib.causal(), None, None, 4, 4, block_size=(2, 0))
+
+
+def test_block_map_is_built_by_rows_of_blocks(monkeypatch):
+    """The mask_mod never sees the whole `(T, S)` grid at once."""
+    monkeypatch.setattr(bm_lib, "_GRID_BUDGET", 8 * 64)
+    seen = []
+
+    def mod(b, h, qi, ki):
+        seen.append(tuple(qi.shape))
+        return ops.greater_equal(qi, ki)
+
+    mask = bm_lib.create_block_mask(mod, None, None, 64, 64, block_size=8)
+    assert max(shape[2] for shape in seen) == 8
+    assert mask.kinds.shape == (1, 1, 8, 8)
+
+
+# ---------------------------------------------------------------------- kernels
+KERNELS = ["explicit", "fused", "chunked", "looped"] + (["dynamic"] if BACKEND != "jax" else [])
+
+
+def _run(kernel, mask):
+    def fn(q, k, v):
+        options = dict(scale=H**-0.5, mask=mask)
+        if kernel == "explicit":
+            return explicit.attention(q, k, v, equations=EQUATIONS, **options)[0]
+        if kernel == "fused":
+            return fused.attention(q, k, v, chunk_size=4, **options)
+        loop, dynamic = kernel in ("looped", "dynamic"), kernel == "dynamic"
+        return chunked.attention(
+            q, k, v, chunk_size=4, key_block=5, loop=loop, dynamic=dynamic, **options
+        )
+
+    return fn
+
+
+def _inputs(rng, t, s):
+    q = rng.standard_normal((B, t, N, H)).astype("float32")
+    k = rng.standard_normal((B, s, N, H)).astype("float32")
+    v = rng.standard_normal((B, s, N, H)).astype("float32")
+    return q, k, v
+
+
+def _assert_matches(rng, kernel, attention_mask, dense, t, s):
+    arrays = _inputs(rng, t, s)
+    want, _ = reference_attention(*arrays, mask=np.broadcast_to(dense, (B,) + dense.shape[1:]))
+    out, grads = value_and_grads(_run(kernel, attention_mask), arrays)
+    np.testing.assert_allclose(out, want, atol=ATOL)
+    dense_mask = masks.AttentionMask(dense=ops.convert_to_tensor(dense))
+    _, expected = value_and_grads(_run("explicit", dense_mask), arrays)
+    for got, wanted in zip(grads, expected):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, wanted, atol=ATOL)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", list(PATTERNS))
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["13x13", "9x14"])
+def test_every_kernel_matches_the_reference_forward_and_backward(rng, kernel, name, lengths):
+    t, s = lengths
+    if kernel == "fused" and BACKEND == "jax":
+        pytest.skip("the fused kernel has no gradient on JAX's CPU; its forward is below")
+    mask, dense = _block_mask(name, t, s)
+    _assert_matches(rng, kernel, masks.AttentionMask(block_mask=mask), dense, t, s)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_block_mask_ands_with_the_named_masks(rng, kernel):
+    """A block mask with causality, a window offset and key padding: all ANDed."""
+    t, s = 9, 14
+    mask, dense = _block_mask("global+sliding", s, s)
+    valid = np.ones((B, s), bool)
+    valid[0, 11:] = False
+    q, k = _grid(t, s)
+    offset = s - t
+    named = (q + offset >= k) & (q + offset - k <= 6) & valid[:, None, None, :]
+    attention_mask = masks.AttentionMask(
+        block_mask=mask, causal=True, window=(6, 0), offset=offset, key_valid=valid
+    )
+    if kernel == "fused" and BACKEND == "jax":
+        pytest.skip("the fused kernel has no gradient on JAX's CPU")
+    _assert_matches(rng, kernel, attention_mask, dense[:, :, offset:] & named, t, s)
+
+
+def test_fused_kernel_forward_on_jax(rng):
+    t, s = 9, 14
+    mask, dense = _block_mask("document", t, s)
+    arrays = _inputs(rng, t, s)
+    want, _ = reference_attention(*arrays, mask=dense)
+    out = _run("fused", masks.AttentionMask(block_mask=mask))(*arrays)
+    np.testing.assert_allclose(to_numpy(out), want, atol=ATOL)
+
+
+def test_fully_masked_rows_give_zero_output(rng):
+    """Queries 0..3 see nothing: zero output, on every kernel."""
+    t = s = 10
+    mod = lambda b, h, qi, ki: ops.logical_and(ops.greater_equal(qi, 4), ops.greater_equal(qi, ki))  # noqa: E731
+    mask = bm_lib.create_block_mask(mod, None, None, t, s, block_size=4)
+    assert (mask.kinds[0, 0, 0] == bm_lib.EMPTY).all()
+    arrays = _inputs(rng, t, s)
+    for kernel in KERNELS:
+        out = to_numpy(_run(kernel, masks.AttentionMask(block_mask=mask))(*arrays))
+        assert np.isfinite(out).all()
+        np.testing.assert_array_equal(out[:, :4], 0.0)
+
+
+def test_policy_takes_no_fused_kernel_for_a_block_mask():
+    mask, _ = _block_mask("causal", 13, 13)
+    call = policy.Call(mask=masks.AttentionMask(block_mask=mask), score_entries=10**9)
+    assert policy.choose("fused", call, policy.Policy("fused")) == "chunked"
+    assert policy.choose(None, call, policy.Policy("fused")) == "chunked"
+
+
+# ------------------------------------------------------------- skipped blocks
+@pytest.mark.parametrize("name", ["causal", "document", "dilated", "block-diagonal"])
+def test_loop_visits_only_the_non_empty_blocks(name):
+    """The compiled loop's plan: each chunk visits the key blocks its block map leaves
+    non-empty, no other, and they are the ones the dense mask has a true in."""
+    t, s = 13, 14
+    mask, dense = _block_mask(name, t, s)
+    attention_mask = masks.AttentionMask(block_mask=mask)
+    q = np.zeros((1, t, 1, H), "float32")
+    k = np.zeros((1, s, 1, H), "float32")
+    plan = chunked._Plan.make(q, k, attention_mask, 4, None, True, False, key_block=5)
+    assert plan.key_block == BLOCK[1]
+    any_dense = np.broadcast_to(dense, mask.shape).any(axis=(0, 1))
+    for start in range(0, t, 4):
+        size = min(4, t - start)
+        order, count = plan.key_blocks(start, size)
+        count = int(to_numpy(count))
+        visited = sorted(int(j) for j in to_numpy(order)[:count])
+        rows = any_dense[start : start + size]
+        want = [j for j in range(mask.kinds.shape[3]) if rows[:, j * 3 : j * 3 + 3].any()]
+        assert visited == want
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch runs the loop in Python: blocks counted")
+def test_loop_computes_only_the_non_empty_blocks_forward_and_backward(rng, monkeypatch):
+    t, s = 13, 14
+    mask, _ = _block_mask("block-diagonal", t, s)
+    computed = []
+    logits = chunked._Block.logits
+
+    def counting(block):
+        computed.append(block)
+        return logits(block)
+
+    monkeypatch.setattr(chunked._Block, "logits", counting)
+    arrays = _inputs(rng, t, s)
+    value_and_grads(_run("looped", masks.AttentionMask(block_mask=mask)), arrays)
+    nonempty = 0
+    for start in range(0, t, 4):  # chunks of 4 queries are the map's query blocks
+        nonempty += int((mask.kinds[0, 0, start // 4] != bm_lib.EMPTY).sum())
+    assert len(computed) == 2 * nonempty  # forward and backward
+    assert nonempty < 2 * mask.kinds[0, 0].size // 2
+
+
+def test_key_ranges_narrow_by_the_block_map():
+    mask, _ = _block_mask("block-diagonal", 13, 14)
+    attention_mask = masks.AttentionMask(block_mask=mask)
+    # Queries 8..11 see documents 5..9 and 10..14: key blocks 1..4 of 3 keys.
+    assert attention_mask.key_range(8, 4, 14) == (3, 14)
+    lo, hi = attention_mask.key_range(ops.convert_to_tensor(8), 4, 14)
+    assert (int(to_numpy(lo)), int(to_numpy(hi))) == (3, 14)
+    # Queries 0..3 see keys 0..4: blocks 0 and 1.
+    assert attention_mask.key_range(0, 4, 14) == (0, 6)
