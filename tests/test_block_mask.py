@@ -285,8 +285,6 @@ def _assert_matches(rng, kernel, attention_mask, dense, t, s):
 @pytest.mark.parametrize("lengths", LENGTHS, ids=["13x13", "9x14"])
 def test_every_kernel_matches_the_reference_forward_and_backward(rng, kernel, name, lengths):
     t, s = lengths
-    if kernel == "fused" and BACKEND == "jax":
-        pytest.skip("the fused kernel has no gradient on JAX's CPU; its forward is below")
     mask, dense = _block_mask(name, t, s)
     _assert_matches(rng, kernel, masks.AttentionMask(block_mask=mask), dense, t, s)
 
@@ -304,18 +302,7 @@ def test_block_mask_ands_with_the_named_masks(rng, kernel):
     attention_mask = masks.AttentionMask(
         block_mask=mask, causal=True, window=(6, 0), offset=offset, key_valid=valid
     )
-    if kernel == "fused" and BACKEND == "jax":
-        pytest.skip("the fused kernel has no gradient on JAX's CPU")
     _assert_matches(rng, kernel, attention_mask, dense[:, :, offset:] & named, t, s)
-
-
-def test_fused_kernel_forward_on_jax(rng):
-    t, s = 9, 14
-    mask, dense = _block_mask("document", t, s)
-    arrays = _inputs(rng, t, s)
-    want, _ = reference_attention(*arrays, mask=dense)
-    out = _run("fused", masks.AttentionMask(block_mask=mask))(*arrays)
-    np.testing.assert_allclose(to_numpy(out), want, atol=ATOL)
 
 
 def test_fully_masked_rows_give_zero_output(rng):
