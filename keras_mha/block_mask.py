@@ -139,9 +139,7 @@ class BlockMask:
         none. Python ints for ints, int32 scalar tensors for tensors."""
         q_block, kv_block = self.block_size
         last_block = self._first.shape[0] - 1
-        if isinstance(first_query, (int, np.integer)) and isinstance(
-            last_query, (int, np.integer)
-        ):
+        if isinstance(first_query, (int, np.integer)) and isinstance(last_query, (int, np.integer)):
             first = max(0, min(int(first_query) // q_block, last_block))
             last = max(0, min(int(last_query) // q_block, last_block))
             if last < first:
@@ -325,3 +323,69 @@ def document(ids, causal_within=True):
         return ops.logical_and(same, ops.greater_equal(q_idx, kv_idx)) if causal_within else same
 
     return mask_mod
+
+
+# ------------------------------------------------------------------ a layer's call
+# Block masks the layer built from a bare `mask_mod`, by (mask_mod, T, S): the same
+# function on the same lengths is evaluated once. Oldest first; a few kept.
+_BUILT = {}
+_BUILT_KEPT = 16
+
+
+def for_call(mask_mod, batch, heads, query_length, key_length, offset, cached):
+    """The `BlockMask` of a layer call's `mask_mod` argument, checked against the call.
+
+    Args:
+        mask_mod: a `BlockMask`, or a function: then built (once per function and
+            lengths) with `B = H = None`, eagerly (outside any graph being traced).
+        batch, heads: the call's `B` (`None` when unknown) and number of heads.
+        query_length: `T` of the call (`None` when unknown).
+        key_length: `S` (with a KV cache, its length).
+        offset: position of the first query: `None`, an int or a scalar tensor.
+        cached: a KV cache is used: queries sit anywhere in `[0, S)`, so a function
+            is built for `T = S`.
+    """
+    from keras_mha import checks
+
+    if isinstance(mask_mod, BlockMask):
+        checks.block_mask(mask_mod, batch, heads, query_length, key_length, offset)
+        return mask_mod
+    if not callable(mask_mod):
+        raise checks.invalid(
+            "mask_mod", "a function `(b, h, q_idx, kv_idx) -> bool` or a `BlockMask`", mask_mod
+        )
+    positions = key_length if cached else query_length
+    if not (checks.is_known(positions) and checks.is_known(key_length)):
+        raise checks.invalid(
+            "mask_mod",
+            "a `BlockMask` (`keras_mha.block_mask.create_block_mask`) where the lengths are "
+            "unknown when tracing; a function needs static `T` and `S`",
+            mask_mod,
+            f"with T={query_length}, S={key_length}",
+        )
+    key = (mask_mod, int(positions), int(key_length))
+    if key not in _BUILT:
+        while len(_BUILT) >= _BUILT_KEPT:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = _eagerly(lambda: create_block_mask(mask_mod, None, None, *key[1:]))
+    built = _BUILT[key]
+    checks.block_mask(built, batch, heads, query_length, key_length, offset)
+    return built
+
+
+def _eagerly(build):
+    """`build()` outside the graph being traced: TensorFlow's `tf.function`, or
+    JAX's `jit` (its ops on concrete arrays then run at once)."""
+    from keras import backend
+
+    if backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.init_scope():
+            return build()
+    if backend.backend() == "jax":
+        import jax
+
+        with jax.ensure_compile_time_eval():
+            return build()
+    return build()

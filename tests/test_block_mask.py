@@ -8,12 +8,14 @@ the dense mask; the layer with GQA and a KV cache; and the blocks a compiled loo
 visits are counted.
 """
 
+import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, to_numpy, value_and_grads
+from helpers import BACKEND, compiled, to_numpy, value_and_grads
 from keras import ops
 from reference import reference_attention
 
+import keras_mha
 from keras_mha import block_mask as bm_lib
 from keras_mha import equations, masks
 from keras_mha.kernels import chunked, explicit, fused, policy
@@ -55,7 +57,8 @@ def _left_right(t, s, left=3, right=2):  # FA4's local window (left, right), off
     d = s - t
 
     def mod(b, h, qi, ki):
-        return ops.logical_and(ops.greater_equal(ki, qi + d - left), ops.less_equal(ki, qi + d + right))
+        after_left = ops.greater_equal(ki, qi + d - left)
+        return ops.logical_and(after_left, ops.less_equal(ki, qi + d + right))
 
     return mod, None, None, ((k >= q + d - left) & (k <= q + d + right))[None, None]
 
@@ -145,16 +148,22 @@ def _natten(t, s, width=4, radius=1):  # 2-D neighbourhood on a grid `width` wid
 
 def _mini_causal(t, s, m=5):  # FA4: (q % m) >= (kv % m)
     q, k = _grid(t, s)
-    return (lambda b, h, qi, ki: ops.greater_equal(qi % m, ki % m)), None, None, (
-        (q % m) >= (k % m)
-    )[None, None]
+    return (
+        (lambda b, h, qi, ki: ops.greater_equal(qi % m, ki % m)),
+        None,
+        None,
+        ((q % m) >= (k % m))[None, None],
+    )
 
 
 def _block_diagonal(t, s, m=5):  # FA4: q // m == kv // m
     q, k = _grid(t, s)
-    return (lambda b, h, qi, ki: ops.equal(qi // m, ki // m)), None, None, (q // m == k // m)[
-        None, None
-    ]
+    return (
+        (lambda b, h, qi, ki: ops.equal(qi // m, ki // m)),
+        None,
+        None,
+        (q // m == k // m)[None, None],
+    )
 
 
 PATTERNS = {
@@ -378,3 +387,108 @@ def test_key_ranges_narrow_by_the_block_map():
     assert (int(to_numpy(lo)), int(to_numpy(hi))) == (3, 14)
     # Queries 0..3 see keys 0..4: blocks 0 and 1.
     assert attention_mask.key_range(0, 4, 14) == (0, 6)
+
+
+# ------------------------------------------------------------------------ layer
+D, L = 8, 11
+
+
+def _layer(**kwargs):
+    config = {"num_heads": N, "key_dim": H, "bias_initializer": "random_normal"}
+    layer = keras_mha.MultiHeadAttention(**{**config, **kwargs})
+    layer.build((None, None, D), (None, None, D))
+    return layer
+
+
+def _dense_mask(dense, batch=B):
+    """A dense `(B, N, T, S)` mask for the layer's `attention_mask` (per head)."""
+    return np.broadcast_to(dense, (batch, N) + dense.shape[2:]).copy()
+
+
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("prefix-lm", {}),
+        ("per-head", {"num_key_value_heads": 1}),
+        ("document", {"implementation": "chunked", "chunk_size": 4}),
+        ("natten-2d", {"implementation": "explicit"}),
+    ],
+)
+def test_layer_mask_mod_equals_its_dense_mask(rng, name, config):
+    layer = _layer(**config)
+    x = rng.normal(size=(B, L, D)).astype("float32")
+    mod, batch, heads, dense = PATTERNS[name](L, L)
+    want = to_numpy(layer(x, x, attention_mask=_dense_mask(dense)))
+    built = bm_lib.create_block_mask(mod, batch, heads, L, L, block_size=BLOCK)
+    np.testing.assert_allclose(to_numpy(layer(x, x, mask_mod=built)), want, atol=1e-5)
+    if batch is None and heads is None:  # a bare function, built by the layer
+        np.testing.assert_allclose(to_numpy(layer(x, x, mask_mod=mod)), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int", "tensor"])
+def test_layer_decoding_with_a_cache_follows_the_positions(rng, kind):
+    """Prefill 4 tokens, then decode one at a time: `q_idx` is the cache position."""
+    layer = _layer(num_key_value_heads=1)
+    x = rng.normal(size=(B, L, D)).astype("float32")
+    mod, _, _, dense = _sliding_window(L, L)
+    built = bm_lib.create_block_mask(mod, None, None, L, L, block_size=BLOCK)
+    want = to_numpy(layer(x, x, mask_mod=built))
+    dense_out = to_numpy(layer(x, x, attention_mask=_dense_mask(dense)))
+    np.testing.assert_allclose(want, dense_out, atol=1e-5)
+    cache = layer.init_cache(B, L)
+
+    def index(t):
+        return t if kind == "int" else ops.convert_to_tensor(t, "int32")
+
+    out, cache = layer(x[:, :4], x[:, :4], cache=cache, cache_update_index=index(0), mask_mod=built)
+    outputs = [to_numpy(out)]
+    for t in range(4, L):
+        step = x[:, t : t + 1]
+        out, cache = layer(step, step, cache=cache, cache_update_index=index(t), mask_mod=built)
+        outputs.append(to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1), want, atol=1e-5)
+
+
+def test_layer_mask_mod_in_a_functional_model_and_compiled(rng):
+    layer = _layer()
+    mod, _, _, dense = _global_sliding(L, L)
+    built = bm_lib.create_block_mask(mod, None, None, L, L, block_size=BLOCK)
+    x = rng.normal(size=(B, L, D)).astype("float32")
+    want = to_numpy(layer(x, x, attention_mask=_dense_mask(dense)))
+    inputs = keras.Input((L, D))
+    model = keras.Model(inputs, layer(inputs, inputs, mask_mod=built))
+    np.testing.assert_allclose(to_numpy(model(x)), want, atol=1e-5)
+    step = compiled(lambda x: layer(x, x, mask_mod=mod))  # a function, built while tracing
+    np.testing.assert_allclose(to_numpy(step(ops.convert_to_tensor(x))), want, atol=1e-5)
+
+
+def test_layer_mask_mod_trains(rng):
+    """Gradients reach the layer's weights through the chunked kernel's backward."""
+    layer = _layer(implementation="chunked", chunk_size=4)
+    mod, _, _, dense = _dilated(L, L)
+    built = bm_lib.create_block_mask(mod, None, None, L, L, block_size=BLOCK)
+    inputs = keras.Input((L, D))
+    model = keras.Model(inputs, layer(inputs, inputs, mask_mod=built))
+    model.compile(optimizer="sgd", loss="mse")
+    x = rng.normal(size=(B, L, D)).astype("float32")
+    before = to_numpy(model(x))
+    model.fit(x, np.zeros_like(x), epochs=1, verbose=0)
+    assert np.abs(to_numpy(model(x)) - before).max() > 0
+
+
+@pytest.mark.parametrize(
+    "mask_mod,match",
+    [
+        ("causal", "a function"),
+        (bm_lib.create_block_mask(bm_lib.causal(), None, None, L, L + 1), "S=11 keys"),
+        (bm_lib.create_block_mask(bm_lib.causal(), 3, None, L, L), "batch size 2"),
+        (bm_lib.create_block_mask(bm_lib.causal(), None, 5, L, L), "2 heads"),
+        (bm_lib.create_block_mask(bm_lib.causal(), None, None, L - 1, L), "11 query positions"),
+    ],
+    ids=["not-a-function", "keys", "batch", "heads", "queries"],
+)
+def test_layer_rejects_a_mask_mod_that_does_not_fit(rng, mask_mod, match):
+    layer = _layer()
+    x = rng.normal(size=(B, L, D)).astype("float32")
+    with pytest.raises(ValueError, match=f"argument `mask_mod`.*{match}"):
+        layer(x, x, mask_mod=mask_mod)
