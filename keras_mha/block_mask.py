@@ -251,6 +251,9 @@ def _reduce(dense, q_block, kv_block):
     nq, nk = math.ceil(rows / q_block), math.ceil(keys / kv_block)
     pad = ((0, 0), (0, 0), (0, nq * q_block - rows), (0, nk * kv_block - keys))
     shape = (batch, heads, nq, q_block, nk, kv_block)
+    if not any(after for _, after in pad):  # whole blocks: one count per block
+        counts = dense.reshape(shape).sum(axis=(3, 5), dtype=np.int32)
+        return counts > 0, counts == q_block * kv_block
     some = np.pad(dense, pad, constant_values=False).reshape(shape).any(axis=(3, 5))
     every = np.pad(dense, pad, constant_values=True).reshape(shape).all(axis=(3, 5))
     return some, every

@@ -191,8 +191,9 @@ def _block_mask(name, t, s, block=BLOCK):
 
 # ------------------------------------------------------------------- block map
 @pytest.mark.parametrize("name", list(PATTERNS))
-def test_block_map_classifies_blocks_as_the_dense_mask(name):
-    t, s = 13, 14
+@pytest.mark.parametrize("lengths", [(13, 14), (12, 12)], ids=["ragged", "whole-blocks"])
+def test_block_map_classifies_blocks_as_the_dense_mask(name, lengths):
+    t, s = lengths
     mask, dense = _block_mask(name, t, s)
     np.testing.assert_array_equal(mask.to_dense(), np.broadcast_to(dense, mask.shape))
     qb, kb = BLOCK
