@@ -153,6 +153,26 @@ class BlockMask:
         hi = ops.max(ops.where(inside, ops.convert_to_tensor(self._stop), 0)) * kv_block
         return lo, ops.minimum(hi, self.key_length)
 
+    def segments(self, first_query, last_query, lo, hi):
+        """The runs of consecutive non-empty key blocks that some query among
+        positions `[first_query, last_query]` may see, within keys `[lo, hi)`: a
+        list of `(lo, hi)` key ranges, ascending (static ints only)."""
+        q_block, kv_block = self.block_size
+        last_block = self._visible.shape[0] - 1
+        first = max(0, min(first_query // q_block, last_block))
+        last = max(0, min(last_query // q_block, last_block))
+        nonempty = self._visible[first : last + 1].any(axis=0)
+        runs, begin = [], None
+        for j, visible in enumerate(list(nonempty) + [False]):
+            if visible and begin is None:
+                begin = j
+            elif not visible and begin is not None:
+                start, stop = max(lo, begin * kv_block), min(hi, j * kv_block)
+                if start < stop:
+                    runs.append((start, stop))
+                begin = None
+        return runs
+
     def _query_blocks(self, first_query, last_query):
         """`(nq,)` boolean tensor: the query blocks holding positions in
         `[first_query, last_query]`."""

@@ -493,3 +493,74 @@ def test_layer_rejects_a_mask_mod_that_does_not_fit(rng, mask_mod, match):
     x = rng.normal(size=(B, L, D)).astype("float32")
     with pytest.raises(ValueError, match=f"argument `mask_mod`.*{match}"):
         layer(x, x, mask_mod=mask_mod)
+
+
+@pytest.mark.parametrize("name", ["global+sliding", "natten-2d", "dilated", "block-diagonal"])
+def test_unrolled_chunks_compute_only_the_runs_of_non_empty_blocks(rng, name, monkeypatch):
+    """Unrolled chunks (torch's and eager TensorFlow's path): a chunk whose block map
+    leaves empty key blocks inside its range computes each run of non-empty blocks
+    on its own, forward and backward; no key block computed is empty for the chunk."""
+    t, s = 13, 14
+    mask, dense = _block_mask(name, t, s)
+    computed = []
+    logits = chunked._Block.logits
+
+    def recording(block):
+        computed.append((block.start, block.size, block.lo, block.keys))
+        return logits(block)
+
+    monkeypatch.setattr(chunked._Block, "logits", recording)
+    _assert_matches(rng, "chunked", masks.AttentionMask(block_mask=mask), dense, t, s)
+    seen = np.broadcast_to(dense, mask.shape).any(axis=(0, 1))
+    kb = BLOCK[1]
+    chunks = set()
+    for start, size, lo, keys in computed:
+        chunks.add(start)
+        for j in range(lo // kb, (lo + keys - 1) // kb + 1):
+            assert seen[start : start + size, j * kb : (j + 1) * kb].any()
+    if name == "global+sliding":  # holes inside a chunk's key range
+        assert len(computed) > 2 * len(chunks)  # some chunk took several runs
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("sinks", [False, True], ids=["bias", "bias+sinks"])
+def test_block_mask_with_bias_soft_cap_and_sinks(rng, kernel, sinks):
+    """The logit features beside a block mask (the bias's gradient summed over a
+    chunk's runs of blocks); with sinks, a chunk takes its key range whole."""
+    t, s = 13, 14
+    mask, dense = _block_mask("global+sliding", t, s)
+    arrays = list(_inputs(rng, t, s)) + [rng.standard_normal((1, N, t, s)).astype("float32")]
+    if sinks:
+        arrays.append(rng.standard_normal((N,)).astype("float32"))
+    if kernel == "fused" and sinks:
+        pytest.skip("the fused kernel takes no sinks")
+
+    def run(kernel, attention_mask):
+        def fn(q, k, v, bias, *rest):
+            extra = dict(bias=bias)
+            if kernel != "fused":
+                extra.update(soft_cap=2.0, sinks=rest[0] if rest else None)
+            if kernel == "explicit":
+                return explicit.attention(
+                    q, k, v, scale=0.5, equations=EQUATIONS, mask=attention_mask, **extra
+                )[0]
+            if kernel == "fused":
+                return fused.attention(
+                    q, k, v, scale=0.5, mask=attention_mask, chunk_size=4, **extra
+                )
+            loop, dynamic = kernel in ("looped", "dynamic"), kernel == "dynamic"
+            return chunked.attention(
+                q, k, v, scale=0.5, mask=attention_mask, chunk_size=4, key_block=5,
+                loop=loop, dynamic=dynamic, **extra,
+            )  # fmt: skip
+
+        return fn
+
+    out, grads = value_and_grads(run(kernel, masks.AttentionMask(block_mask=mask)), arrays)
+    dense_mask = masks.AttentionMask(dense=ops.convert_to_tensor(dense))
+    want, want_grads = value_and_grads(
+        run(kernel if kernel == "fused" else "explicit", dense_mask), arrays
+    )
+    np.testing.assert_allclose(out, want, atol=ATOL)
+    for got, wanted in zip(grads, want_grads):
+        np.testing.assert_allclose(got, wanted, atol=ATOL)
