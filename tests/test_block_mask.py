@@ -564,3 +564,26 @@ def test_block_mask_with_bias_soft_cap_and_sinks(rng, kernel, sinks):
     np.testing.assert_allclose(out, want, atol=ATOL)
     for got, wanted in zip(grads, want_grads):
         np.testing.assert_allclose(got, wanted, atol=ATOL)
+
+
+def test_compiled_decoding_step_with_a_block_mask(rng):
+    """One compiled decode step (`jax.jit`, `tf.function` with XLA) for every index:
+    the block mask's map is read at the traced cache position."""
+    layer = _layer(num_key_value_heads=1)
+    x = rng.normal(size=(B, L, D)).astype("float32")
+    mod, _, _, _ = _global_sliding(L, L)  # made causal: decoding sees no later key
+    causal = bm_lib.and_masks(bm_lib.causal(), mod)
+    built = bm_lib.create_block_mask(causal, None, None, L, L, block_size=BLOCK)
+    want = to_numpy(layer(x, x, mask_mod=built))
+    step = compiled(
+        lambda token, cache, index: layer(
+            token, token, cache=cache, cache_update_index=index, mask_mod=built
+        )
+    )
+    cache = layer.init_cache(B, L)
+    outputs = []
+    for t in range(L):
+        token = ops.convert_to_tensor(x[:, t : t + 1])
+        out, cache = step(token, cache, ops.convert_to_tensor(t, dtype="int32"))
+        outputs.append(to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1), want, atol=1e-5)
