@@ -361,7 +361,8 @@ def for_call(mask_mod, batch, heads, query_length, key_length, offset, cached):
     Args:
         mask_mod: a `BlockMask`, or a function: then built (once per function and
             lengths) with `B = H = None`, eagerly (outside any graph being traced).
-        batch, heads: the call's `B` (`None` when unknown) and number of heads.
+        batch: the call's `B` (`None` when unknown).
+        heads: the layer's number of heads.
         query_length: `T` of the call (`None` when unknown).
         key_length: `S` (with a KV cache, its length).
         offset: position of the first query: `None`, an int or a scalar tensor.
