@@ -224,6 +224,8 @@ class AttentionMask:
         counts the valid ones in it. A dense mask, or document ids, are reduced over
         the keys of the whole `(T, S)` block.
         """
+        if self.block_mask is not None and isinstance(query_length, int):
+            return self._empty_rows_by_blocks(query_length, key_length)
         if self.dense is not None or self.query_segments is not None or self.block_mask is not None:
             visible = self.block(0, query_length, 0, key_length)
             if visible is None:  # a block mask whose every block is full
@@ -253,6 +255,30 @@ class AttentionMask:
         if self.query_valid is not None:
             empty = ops.logical_or(empty, ops.logical_not(self.query_valid))
         return empty[:, None, :]
+
+    def _empty_rows_by_blocks(self, query_length, key_length):
+        """`empty_rows` with a block mask, one block of query rows at a time over the
+        keys its map leaves visible: never the whole `(T, S)` mask."""
+        step = self.block_mask.block_size[0]
+        parts = []
+        for start in range(0, query_length, step):
+            size = min(step, query_length - start)
+            lo, hi = self.key_range(start, size, key_length)
+            if isinstance(hi, int) and isinstance(lo, int) and hi <= lo:
+                parts.append(ops.ones((1, 1, size), "bool"))
+                continue
+            visible = self.block(start, size, lo, hi - lo)
+            if visible is None:
+                parts.append(ops.zeros((1, 1, size), "bool"))
+                continue
+            parts.append(ops.logical_not(ops.any(visible, axis=-1)))
+        lead = [tuple(p.shape[:2]) for p in parts]
+        if not all(isinstance(d, int) for dims in lead for d in dims):  # unknown batch
+            visible = self.block(0, query_length, 0, key_length)
+            return ops.logical_not(ops.any(visible, axis=-1))
+        batch, heads = (max(dims[i] for dims in lead) for i in (0, 1))
+        parts = [ops.broadcast_to(p, (batch, heads, p.shape[2])) for p in parts]
+        return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=-1)
 
     def _positions(self, query_start, query_size, key_start, key_size):
         """`(1, 1, q, 1)` query positions (offset added) and `(1, 1, 1, k)` key positions."""

@@ -587,3 +587,22 @@ def test_compiled_decoding_step_with_a_block_mask(rng):
         out, cache = step(token, cache, ops.convert_to_tensor(t, dtype="int32"))
         outputs.append(to_numpy(out))
     np.testing.assert_allclose(np.concatenate(outputs, axis=1), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["explicit", "fused", "chunked"])
+def test_rows_with_no_key_as_the_builtin_gives_them(rng, implementation):
+    """`fully_masked_rows="builtin"`: a row the block mask leaves without keys gets the
+    values' mean where the built-in's would, as with the same dense mask; the empty
+    rows are found one block of queries at a time."""
+    layer = _layer(fully_masked_rows="builtin", implementation=implementation, chunk_size=4)
+    x = rng.normal(size=(B, L, D)).astype("float32")
+
+    def late_start(b, h, q_idx, kv_idx):  # queries 0..4 see nothing
+        return ops.logical_and(ops.greater_equal(q_idx, 5), ops.greater_equal(q_idx, kv_idx))
+
+    built = bm_lib.create_block_mask(late_start, None, None, L, L, block_size=BLOCK)
+    dense = built.to_dense()
+    want = to_numpy(layer(x, x, attention_mask=_dense_mask(dense)))
+    np.testing.assert_allclose(to_numpy(layer(x, x, mask_mod=built)), want, atol=1e-5)
+    empty = masks.AttentionMask(block_mask=built).empty_rows(L, L)
+    np.testing.assert_array_equal(to_numpy(empty)[0, 0], ~dense[0, 0].any(axis=-1))
