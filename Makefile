@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/packed.py
 	$(BIN)/python benchmarks/hub_packed.py
 	$(BIN)/python benchmarks/block_shapes.py
+	$(BIN)/python benchmarks/block_mask.py
 
 # GPU tests + GPU benchmark per installed backend, against the existing .venv (no
 # install, no network), then a markdown report in $(GPU_OUT). On a machine without a

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import wrapt
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API docs
-    from keras_mha import interop, packing, score_mod  # noqa: F401
+    from keras_mha import block_mask, interop, packing, score_mod  # noqa: F401
     from keras_mha.functional import attention  # noqa: F401
     from keras_mha.layer import MultiHeadAttention  # noqa: F401
     from keras_mha.swapping import save_swapped, swap, swapped  # noqa: F401
@@ -29,6 +29,7 @@ _PUBLIC = {
     "swapped": ("keras_mha.swapping", "swapped"),
     "save_swapped": ("keras_mha.swapping", "save_swapped"),
     "interop": ("keras_mha.interop", None),
+    "block_mask": ("keras_mha.block_mask", None),
     "packing": ("keras_mha.packing", None),
     "attention": ("keras_mha.functional", "attention"),
     "score_mod": ("keras_mha.score_mod", None),

@@ -561,3 +561,29 @@ def attention_bias(bias, expected_shape):
             f"a tensor broadcastable to the scores {shape_str(expected_shape)}",
             f"shape {shape_str(shape)}",
         )
+
+
+def block_mask(value, batch, heads, query_length, key_length, offset):
+    """A `BlockMask` describes the call: its `S` is the keys', its batch and heads are
+    the call's (where it has them), and it covers the queries' positions `offset + t`.
+
+    Args:
+        value: the `block_mask.BlockMask`.
+        batch, heads: the call's `B` and number of heads (`None` when unknown).
+        query_length, key_length: the call's `T` and `S` (`None` when unknown).
+        offset: the first query's position: `None` (0), an int or a tensor.
+    """
+    expected = None
+    if dims_differ(value.key_length, key_length):
+        expected = f"a mask over S={key_length} keys"
+    elif value.batch is not None and dims_differ(value.batch, batch):
+        expected = f"a mask for batch size {batch} (or built with B=None)"
+    elif value.heads is not None and dims_differ(value.heads, heads):
+        expected = f"a mask for {heads} heads (or built with H=None)"
+    else:
+        start = 0 if offset is None else offset
+        if is_known(start) and is_known(query_length):
+            if start + query_length > value.query_length:
+                expected = f"a mask over at least {start + query_length} query positions"
+    if expected is not None:
+        raise invalid("mask_mod", expected, value)

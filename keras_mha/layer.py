@@ -14,6 +14,7 @@ import keras
 import numpy as np
 from keras import constraints, initializers, ops, regularizers
 
+from keras_mha import block_mask as block_mask_lib
 from keras_mha import builtin_hooks, checks, equations, kernels, norms, projections, rope
 from keras_mha import cache as cache_lib
 from keras_mha import masks as masks_lib
@@ -306,6 +307,16 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             `t` while the keys sit at `cache_update_index + s`, what keras-hub's
             GPT-NeoX computes when decoding. `None` rotates them as the queries.
             Needs `rope_max_wavelength`; M-RoPE also takes `(B, 3, S)`.
+        mask_mod: Optional attention pattern as code: a function
+            `(b, h, q_idx, kv_idx) -> bool` written in `keras.ops` over broadcast
+            int32 index tensors, or a `BlockMask` built from one by
+            `keras_mha.block_mask.create_block_mask` (build it once, outside any
+            `jit`, and pass it to every layer and step). ANDed with every other
+            mask; the chunked kernel never computes the blocks it leaves empty
+            (see the guide, "Attention patterns"). With a cache, `q_idx` is the
+            query's position `cache_update_index + t`, and a `BlockMask` covers the
+            cache's positions. A function is evaluated once per function and
+            lengths, which must be known when tracing. `(B, T, dim)` inputs only.
 
     Returns:
         output: `(B, T, dim)`, or `(B, T) + output_shape` when given.
@@ -705,6 +716,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         cache_update_mask=None,
         key_positions=None,
         score_mod=None,
+        mask_mod=None,
     ):
         if key is None:
             key = value
@@ -781,6 +793,10 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             )
         if segment_ids is not None:
             mask = self._with_segments(mask, segment_ids, key_segment_ids, described)
+        if mask_mod is not None:
+            mask = self._with_block_mask(
+                mask, mask_mod, projected_query, projected_key, cache_update_index, described
+            )
         bias = {} if attention_bias is None else {"attention_bias": attention_bias}
         score_mod = self._score_mod if score_mod is None else score_mod_lib.get(score_mod)
         if score_mod is not None:
@@ -870,6 +886,28 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             return dataclasses.replace(mask or masks_lib.AttentionMask(), **ids)
         same = masks_lib.same_segment(ids["query_segments"], ids["key_segments"])
         return masks_lib.logical_and(mask, same)
+
+    def _with_block_mask(self, mask, mask_mod, query, key, offset, described):
+        """The call's `AttentionMask` with the `mask_mod` argument's block mask ANDed
+        (`query`, `key`: projected, the keys the cache's when decoding)."""
+        if not described or len(query.shape) != 4:
+            raise checks.invalid(
+                "mask_mod",
+                "a call over `(B, T, dim)` inputs of a layer whose attention and mask "
+                "hooks are its own",
+                mask_mod,
+            )
+        built = block_mask_lib.for_call(
+            mask_mod,
+            query.shape[0],
+            self._num_heads,
+            query.shape[1],
+            key.shape[1],
+            offset,
+            cached=offset is not None,
+        )
+        start = 0 if offset is None else offset
+        return dataclasses.replace(mask or masks_lib.AttentionMask(offset=start), block_mask=built)
 
     def _repeat_key_value_heads(self, key, value):
         """Grouped-query attention: each key/value head serves `N / Nkv` adjacent
@@ -1159,6 +1197,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         cache_update_mask=None,
         key_positions=None,
         score_mod=None,
+        mask_mod=None,
     ):
         key_shape = None if key is None else key.shape
         output = keras.KerasTensor(

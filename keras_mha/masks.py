@@ -45,6 +45,10 @@ class AttentionMask:
             or `None`. Id 0 is padding: such a query attends to nothing.
         key_segments: `(B, S)` integer document ids of the keys; given whenever
             `query_segments` is. A key with id 0 is seen by no query.
+        block_mask: `None` or a `block_mask.BlockMask`: a `mask_mod` over absolute
+            positions (query `t` at `t + offset`) with its block map. `block`
+            evaluates it on the block asked for only (not at all where the map says
+            the block is full); `key_range` narrows by the map.
     """
 
     query_valid: Any = None
@@ -55,6 +59,7 @@ class AttentionMask:
     dense: Any = None
     query_segments: Any = None
     key_segments: Any = None
+    block_mask: Any = None
 
     @property
     def is_empty(self):
@@ -66,6 +71,7 @@ class AttentionMask:
             and self.window is None
             and self.dense is None
             and self.query_segments is None
+            and self.block_mask is None
         )
 
     @property
@@ -98,6 +104,10 @@ class AttentionMask:
             before, after = self.window_sides
             hi = _minimum(hi, last + (after + 1))
             lo = _maximum(lo, query_start + offset - before)
+        if self.block_mask is not None:
+            first = query_start + offset
+            b_lo, b_hi = self.block_mask.key_range(first, first + query_size - 1)
+            lo, hi = _maximum(lo, b_lo), _minimum(hi, b_hi)
         hi = _maximum(0, hi)
         if isinstance(lo, int) and lo == 0:  # hi >= 0
             return 0, hi
@@ -198,6 +208,11 @@ class AttentionMask:
             parts.append(same_segment(rows, cols)[:, None])
         if self.dense is not None:
             parts.append(block_of(self.dense, query_start, query_size, key_start, key_size))
+        if self.block_mask is not None:
+            query_size = self._length(query_size, 2)
+            key_size = self._length(key_size, 3)
+            first = query_start + self.offset
+            parts.append(self.block_mask.block(first, query_size, key_start, key_size))
         return logical_and(*parts)
 
     def empty_rows(self, query_length, key_length):
@@ -209,8 +224,12 @@ class AttentionMask:
         counts the valid ones in it. A dense mask, or document ids, are reduced over
         the keys of the whole `(T, S)` block.
         """
-        if self.dense is not None or self.query_segments is not None:
+        if self.block_mask is not None and isinstance(query_length, int):
+            return self._empty_rows_by_blocks(query_length, key_length)
+        if self.dense is not None or self.query_segments is not None or self.block_mask is not None:
             visible = self.block(0, query_length, 0, key_length)
+            if visible is None:  # a block mask whose every block is full
+                return None
             return ops.logical_not(ops.any(visible, axis=-1))
         if self.key_valid is None and not self.causal and self.window is None:
             if self.query_valid is None:
@@ -236,6 +255,30 @@ class AttentionMask:
         if self.query_valid is not None:
             empty = ops.logical_or(empty, ops.logical_not(self.query_valid))
         return empty[:, None, :]
+
+    def _empty_rows_by_blocks(self, query_length, key_length):
+        """`empty_rows` with a block mask, one block of query rows at a time over the
+        keys its map leaves visible: never the whole `(T, S)` mask."""
+        step = self.block_mask.block_size[0]
+        parts = []
+        for start in range(0, query_length, step):
+            size = min(step, query_length - start)
+            lo, hi = self.key_range(start, size, key_length)
+            if isinstance(hi, int) and isinstance(lo, int) and hi <= lo:
+                parts.append(ops.ones((1, 1, size), "bool"))
+                continue
+            visible = self.block(start, size, lo, hi - lo)
+            if visible is None:
+                parts.append(ops.zeros((1, 1, size), "bool"))
+                continue
+            parts.append(ops.logical_not(ops.any(visible, axis=-1)))
+        lead = [tuple(p.shape[:2]) for p in parts]
+        if not all(isinstance(d, int) for dims in lead for d in dims):  # unknown batch
+            visible = self.block(0, query_length, 0, key_length)
+            return ops.logical_not(ops.any(visible, axis=-1))
+        batch, heads = (max(dims[i] for dims in lead) for i in (0, 1))
+        parts = [ops.broadcast_to(p, (batch, heads, p.shape[2])) for p in parts]
+        return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=-1)
 
     def _positions(self, query_start, query_size, key_start, key_size):
         """`(1, 1, q, 1)` query positions (offset added) and `(1, 1, 1, k)` key positions."""

@@ -163,6 +163,7 @@ class _Plan:
     key_block: int = 0  # a static loop's keys per block; 0: every chunk sees every key
     keys: Any = None  # `S`: static, or a scalar tensor in a dynamic loop
     key_multiple: int = 1  # a dynamic loop's key ranges: widened out to multiples
+    segments: tuple = ()  # unrolled, with a block mask: per chunk, its non-empty key runs
 
     @classmethod
     def make(
@@ -184,6 +185,8 @@ class _Plan:
             chunks = chunks[::-1]
         blocks = 0
         if loop and not dynamic and key_length:  # static shapes: blocks of keys
+            if mask is not None and mask.block_mask is not None:
+                key_block = mask.block_mask.block_size[1]  # its blocks, to skip empty ones
             blocks = min(key_block, key_length)
         # A dynamic loop narrows its chunks' key ranges by the data even where `S` is
         # unknown when tracing (varying lengths under `tf.function`): `S` as a tensor.
@@ -204,7 +207,19 @@ class _Plan:
         )
         eager = not loop and trim.holds_data(query)
         ranges = tuple(plan.key_range(start, size, eager) for start, size in chunks)
-        return dataclasses.replace(plan, ranges=ranges)
+        segments = ()
+        if not loop and mask is not None and mask.block_mask is not None:
+            segments = tuple(_segments(mask, c, r) for c, r in zip(chunks, ranges))
+        return dataclasses.replace(plan, ranges=ranges, segments=segments)
+
+    def segments_of(self, i, inputs):
+        """The unrolled chunk `i`'s runs of non-empty key blocks, where its block
+        mask leaves empty blocks inside its key range (each run is computed on its
+        own: the blocks between them are not); `None` to take the range whole."""
+        if not self.segments or inputs.sink is not None:  # a sink joins one softmax
+            return None
+        runs = self.segments[i]
+        return runs if runs is not None and len(runs) > 1 else None
 
     def key_range(self, start, size, eager=False):
         """`(lo, hi)` of the keys queries `[start, start + size)` see; `hi` `None` for
@@ -239,19 +254,31 @@ class _Plan:
         `[start, start + size)` visits key blocks `j < count`, keys
         `[lo + j * key_block, lo + (j + 1) * key_block)`, that cover the keys some
         query of the chunk may see (`AttentionMask.visible_range`, computed at run
-        time); `count` is 0 for a chunk that sees no key."""
+        time); `count` is 0 for a chunk that sees no key.
+
+        With a block mask, `lo` is instead the blocks' order: the chunk visits
+        blocks `order[j]`, `j < count`, those its block map leaves non-empty within
+        that range (`BlockMask.visit_order`), and no other."""
         if self.mask is None:
             lo, hi = ops.zeros((), "int32"), ops.convert_to_tensor(self.key_length, "int32")
         else:
             lo, hi = self.mask.visible_range(start, size, self.key_length)
+        if self.mask is not None and self.mask.block_mask is not None:
+            first = start + self.mask.offset
+            return self.mask.block_mask.visit_order(
+                first, first + size - 1, lo, hi, self.key_length
+            )
         return lo, (hi - lo + self.key_block - 1) // self.key_block
 
     def key_block_of(self, inputs, start, size, lo, j):
         """The `_Block` of queries `[start, start + size)` and key block `j` from
-        `lo` (`key_blocks`). The last block's slice is moved back to end at `S`
-        (no padding); its keys before `lo + j * key_block`, another block's, are
-        masked off."""
-        first = lo + j * self.key_block
+        `lo` (`key_blocks`; with a block mask, block `lo[j]`). The last block's slice
+        is moved back to end at `S` (no padding); its keys before
+        `lo + j * key_block`, another block's, are masked off."""
+        if self.mask is not None and self.mask.block_mask is not None:
+            first = ops.take(lo, j) * self.key_block
+        else:
+            first = lo + j * self.key_block
         if self.mask is None and self.key_length % self.key_block == 0:
             return _Block(inputs, start, size, first, self.key_block)  # no block moves
         key_start = ops.minimum(first, self.key_length - self.key_block)
@@ -461,11 +488,68 @@ def _forward(plan, inputs):
     outputs, logsumexps, done = [], [], []
     for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
         with _after(done, i, plan.in_flight):
-            output, logsumexp = _forward_chunk(inputs.block(start, size, lo, _width(lo, hi)))
+            runs = plan.segments_of(i, inputs)
+            if runs:
+                output, logsumexp = _forward_runs(inputs, start, size, runs)
+            else:
+                block = inputs.block(start, size, lo, _width(lo, hi))
+                output, logsumexp = _forward_chunk(block)
         outputs.append(output)
         logsumexps.append(logsumexp)
         done.append([output, logsumexp])
     return plan.concat(outputs), plan.concat(logsumexps)
+
+
+def _forward_runs(inputs, start, size, runs):
+    """`(output, logsumexp)` of one chunk over several key ranges (a block mask's
+    runs of non-empty blocks), each computed as a chunk of its own and merged by
+    their logsumexps; a row with no key in any run gives zero output and `NO_KEYS`."""
+    parts = [_forward_chunk(inputs.block(start, size, lo, hi - lo)) for lo, hi in runs]
+    valid = [ops.less(lse, logits_lib.NO_KEYS / 2) for _, lse in parts]
+    lses = [ops.where(v, lse, logits_lib.MASKED) for v, (_, lse) in zip(valid, parts)]
+    peak = lses[0]
+    for lse in lses[1:]:
+        peak = ops.maximum(peak, lse)
+    total = sum(ops.where(v, ops.exp(lse - peak), 0.0) for v, lse in zip(valid, lses))
+    has_keys = ops.greater(total, 0.0)
+    logsumexp = peak + ops.log(ops.where(has_keys, total, 1.0))
+    output = sum(
+        ops.where(v, ops.exp(lse - logsumexp), 0.0) * out
+        for v, lse, (out, _) in zip(valid, lses, parts)
+    )
+    return output, ops.where(has_keys, logsumexp, logits_lib.NO_KEYS)
+
+
+def _backward_runs(inputs, start, size, runs, rows):
+    """A chunk's gradients over several key ranges (`_forward_runs`): each range's
+    parts, the key-axis ones padded out to the ranges' span and summed."""
+    lo, hi = runs[0][0], runs[-1][1]
+    merged, d_mod = None, ()
+    for first, stop in runs:
+        block = inputs.block(start, size, first, stop - first)
+        d_query, d_key, d_value, d_logits, _, d_run_mod = _backward_chunk(block, rows, sink=False)
+        if inputs.bias is None:
+            d_logits = None
+        parts = [d_query] + [
+            None if x is None else _pad_keys(x, first - lo, hi - stop)
+            for x in (d_key, d_value, d_logits)
+        ]
+        if merged is None:
+            merged = parts
+        else:
+            merged = [None if m is None else m + p for m, p in zip(merged, parts)]
+        d_mod = d_run_mod if not d_mod else [a + b for a, b in zip(d_mod, d_run_mod)]
+    return (*merged, None, d_mod)
+
+
+def _segments(mask, chunk, key_range):
+    """A chunk's runs of non-empty key blocks within its key range (static sizes and
+    offset), or `None`."""
+    (start, size), (lo, hi) = chunk, key_range
+    offset = mask.static_offset
+    if size is None or hi is None or offset is None or not isinstance(lo, int):
+        return None
+    return mask.block_mask.segments(start + offset, start + offset + size - 1, lo, hi)
 
 
 def _forward_loop(plan, inputs):
@@ -587,11 +671,14 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     d_out_t = ops.transpose(d_out, (0, 1, 3, 2))  # (B, N, Hv, T)
     total = _Gradients(plan, inputs)
 
-    def visit(start, size, lo, hi, state):
+    def visit(start, size, lo, hi, state, runs=None):
         rows = [masks.slice_along(t, 2, start, size) for t in (d_out, correction, logsumexp)]
         rows += [masks.slice_along(t, 3, start, size) for t in (query_t, d_out_t)]
         if plan.key_block:
             return total.add_blocks(state, start, size, rows)
+        if runs:
+            block = inputs.block(start, size, runs[0][0], runs[-1][1] - runs[0][0])
+            return total.add(state, block, _backward_runs(inputs, start, size, runs, rows))
         block = inputs.block(start, size, lo, _width(lo, hi))
         return total.add(state, block, _backward_chunk(block, rows))
 
@@ -611,7 +698,7 @@ def _backward(plan, inputs, output, logsumexp, upstream):
         for i, ((start, size), (lo, hi)) in enumerate(zip(plan.chunks, plan.ranges)):
             # One chunk at a time: two in flight measured no faster and held more.
             with _after(total.done, i, 1):
-                state = visit(start, size, lo, hi, state)
+                state = visit(start, size, lo, hi, state, plan.segments_of(i, inputs))
     d_query, d_key, d_value, d_bias, d_sink, d_mod = total.finish(state)
     d_mod = [ops.cast(d_mod[i], inputs.mod.args[j].dtype) for j, i in enumerate(inputs.mod.wanted)]
     return [

@@ -79,7 +79,7 @@ def _takes_whole(mask, bias):
     """Whether the kernel takes the mask as it is, with no `(T, S)` tensor built."""
     if mask is None:
         return True
-    if mask.query_segments is not None:  # block-diagonal: built per chunk
+    if mask.query_segments is not None or mask.block_mask is not None:  # built per chunk
         return False
     if mask.window is not None or (mask.causal and mask.static_offset != 0):
         return False
@@ -98,6 +98,8 @@ def _folds_key_padding(mask, bias, query):
     if mask.key_valid is None or len(mask.key_valid.shape) != 2:
         return False
     if mask.dense is not None or mask.query_segments is not None or mask.window is not None:
+        return False
+    if mask.block_mask is not None:
         return False
     return not mask.causal or mask.static_offset == 0
 
@@ -157,6 +159,8 @@ def _document_runs(query, key, mask, bias, chunk_size):
     if query.shape[1] != key.shape[1]:
         return None
     if mask.dense is not None or mask.window is not None or mask.key_valid is not None:
+        return None
+    if mask.block_mask is not None:
         return None
     if mask.query_valid is not None or (mask.causal and mask.static_offset != 0):
         return None
@@ -249,6 +253,9 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
             if hi == lo:  # no query of the chunk sees a key
                 outputs.append(_zero_rows(query, value, size))
                 continue
+        if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:  # a block map's
+            outputs.append(_zero_rows(query, value, size))
+            continue
         block = mask.block(start, size, lo, hi - lo)
         kernel_mask, valid = _unmask_empty_rows(block)
         chunk_bias = None

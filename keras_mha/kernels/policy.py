@@ -320,6 +320,8 @@ def _small(call, limit):
     if limit is None or call.score_entries is None or call.score_entries > limit:
         return False
     mask = call.mask
+    if mask is not None and mask.block_mask is not None:
+        return call.one_chunk
     return mask is None or call.one_chunk or (not mask.causal and mask.window is None)
 
 
@@ -327,8 +329,11 @@ def fusable(call):
     """Whether the backend's fused kernel takes this call: any mask (built chunk by
     chunk where it would otherwise be a `(T, S)` tensor) and a bias, but no dropout
     (the kernels draw their own), soft cap, sinks or score function (torch's
-    `flex_attention` would take one on a GPU; not measured yet, so not taken)."""
+    `flex_attention` would take one on a GPU; not measured yet, so not taken), nor a
+    block mask (the chunked kernel skips its empty blocks)."""
     if call.dropout or call.soft_cap or call.sinks or call.score_mod:
+        return False
+    if call.mask is not None and call.mask.block_mask is not None:
         return False
     # JAX's kernel needs key_dim == value_dim.
     return backend.backend() != "jax" or call.same_head_dims

@@ -1,0 +1,415 @@
+"""Attention patterns as code: a `mask_mod` and the block map built from it.
+
+A `mask_mod(b, h, q_idx, kv_idx) -> bool` says whether query `q_idx` of batch row `b`
+and head `h` may attend to key `kv_idx`. It is written in `keras.ops` and called on
+broadcast int32 index tensors, `b` `(B, 1, 1, 1)`, `h` `(1, H, 1, 1)`, `q_idx`
+`(1, 1, q, 1)` and `kv_idx` `(1, 1, 1, k)`, so one definition runs on TensorFlow, JAX
+and torch:
+
+    def causal(b, h, q_idx, kv_idx):
+        return ops.greater_equal(q_idx, kv_idx)
+
+`create_block_mask` evaluates it once, eagerly, a few rows of query blocks at a time
+(never the whole `(T, S)` grid), and records for every (query block, key block) pair
+whether it is empty (no query sees any key: never computed), full (every query sees
+every key: no mask needed) or partial. The `BlockMask` is plain NumPy plus the
+function: build it once, pass it to every layer and every step. Kernels read it
+through `masks.AttentionMask.block_mask`, ANDed with the call's other masks.
+
+Positions are absolute: with a KV cache, `q_idx` is `cache_update_index + t`, so the
+block mask of a decoder is built for `T = S = max_length`.
+"""
+
+import math
+
+import numpy as np
+from keras import ops
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+# Entries of the `(B, H, rows, S)` grid evaluated at once by `create_block_mask`.
+_GRID_BUDGET = 1 << 24
+
+
+class BlockMask:
+    """A `mask_mod` with its block map: which blocks are empty, partial or full.
+
+    Made by `create_block_mask`; read by the kernels.
+
+    Args:
+        mask_mod: `fn(b, h, q_idx, kv_idx) -> bool tensor`, in `keras.ops`.
+        kinds: int8 NumPy array `(B or 1, H or 1, ceil(T / q_block),
+            ceil(S / kv_block))` of `EMPTY`, `PARTIAL`, `FULL`.
+        query_length: `T`, the number of query positions described.
+        key_length: `S`, the number of key positions described.
+        block_size: `(q_block, kv_block)`.
+        batch: `B`, or `None` when the mask is the same for every batch row
+            (`mask_mod` is then called with `b = 0`).
+        heads: `H`, or `None` when the same for every head (`h = 0`).
+    """
+
+    def __init__(self, mask_mod, kinds, query_length, key_length, block_size, batch, heads):
+        self.mask_mod = mask_mod
+        self.kinds = kinds
+        self.query_length, self.key_length = int(query_length), int(key_length)
+        self.block_size = tuple(int(x) for x in block_size)
+        self.batch, self.heads = batch, heads
+        nonempty = (kinds != EMPTY).any(axis=(0, 1))  # (nq, nk): some batch row or head
+        self._visible = nonempty
+        blocks = np.arange(nonempty.shape[1])
+        self._first = np.where(nonempty, blocks, nonempty.shape[1]).min(axis=1).astype("int32")
+        self._stop = np.where(nonempty, blocks + 1, 0).max(axis=1).astype("int32")
+        self._all_full = (kinds == FULL).all(axis=(0, 1))  # (nq, nk)
+
+    def __repr__(self):
+        q_block, kv_block = self.block_size
+        return (
+            f"BlockMask(T={self.query_length}, S={self.key_length}, "
+            f"block_size=({q_block}, {kv_block}), batch={self.batch}, heads={self.heads}, "
+            f"density={self.density:.3f})"
+        )
+
+    @property
+    def shape(self):
+        """`(B or 1, H or 1, T, S)`: the dense mask this describes."""
+        return self.kinds.shape[:2] + (self.query_length, self.key_length)
+
+    @property
+    def density(self):
+        """The fraction of (query block, key block) pairs that are not empty."""
+        return float((self.kinds != EMPTY).mean())
+
+    def picture(self):
+        """The block map as text, one line per query block: `#` full, `+` partial,
+        `.` empty (batch row 0, head 0)."""
+        chars = np.array([".", "+", "#"])
+        return "\n".join("".join(chars[row]) for row in self.kinds[0, 0])
+
+    def to_dense(self):
+        """The whole mask as a NumPy bool array `(B or 1, H or 1, T, S)`, for
+        debugging and tests (it holds `T x S` entries)."""
+        rows = []
+        for start, size in _row_steps(self.query_length, self._row_step()):
+            rows.append(_evaluate(self.mask_mod, self.kinds.shape[:2], start, size, self))
+        return np.concatenate(rows, axis=2)
+
+    def _row_step(self):
+        batch, heads = self.kinds.shape[:2]
+        q_block = self.block_size[0]
+        blocks = max(1, _GRID_BUDGET // max(1, batch * heads * q_block * self.key_length))
+        return blocks * q_block
+
+    def evaluate(self, query_start, query_size, key_start, key_size):
+        """The mask of query positions `[query_start, +query_size)` against keys
+        `[key_start, +key_size)`: a boolean tensor broadcastable to
+        `(B, H, q, k)`. Starts may be scalar tensors (a compiled loop's)."""
+        batch, heads = self.kinds.shape[:2]
+        b = ops.reshape(ops.arange(batch, dtype="int32"), (batch, 1, 1, 1))
+        h = ops.reshape(ops.arange(heads, dtype="int32"), (1, heads, 1, 1))
+        q_idx = ops.arange(query_size, dtype="int32") + query_start
+        kv_idx = ops.arange(key_size, dtype="int32") + key_start
+        out = self.mask_mod(b, h, q_idx[None, None, :, None], kv_idx[None, None, None, :])
+        out = ops.convert_to_tensor(out)
+        if "bool" not in str(out.dtype):
+            out = ops.cast(out, "bool")
+        while len(out.shape) < 4:
+            out = ops.expand_dims(out, 0)
+        return out
+
+    def block(self, query_start, query_size, key_start, key_size):
+        """Like `evaluate`, but `None` where the block map says every entry is true
+        (all the blocks covered are full: the mask is skipped)."""
+        if self.covers_full(query_start, query_size, key_start, key_size):
+            return None
+        return self.evaluate(query_start, query_size, key_start, key_size)
+
+    def covers_full(self, query_start, query_size, key_start, key_size):
+        """Whether, with static ints, every block the range touches is full."""
+        sizes = (query_start, query_size, key_start, key_size)
+        if not all(isinstance(x, (int, np.integer)) for x in sizes) or 0 in sizes[1::2]:
+            return False
+        q_block, kv_block = self.block_size
+        rows = slice(query_start // q_block, (query_start + query_size - 1) // q_block + 1)
+        cols = slice(key_start // kv_block, (key_start + key_size - 1) // kv_block + 1)
+        return bool(self._all_full[rows, cols].all())
+
+    def key_range(self, first_query, last_query):
+        """`(lo, hi)`: the keys some query among positions `[first_query,
+        last_query]` may see by the block map (whole key blocks); `lo >= hi` when
+        none. Python ints for ints, int32 scalar tensors for tensors."""
+        q_block, kv_block = self.block_size
+        last_block = self._first.shape[0] - 1
+        if isinstance(first_query, (int, np.integer)) and isinstance(last_query, (int, np.integer)):
+            first = max(0, min(int(first_query) // q_block, last_block))
+            last = max(0, min(int(last_query) // q_block, last_block))
+            if last < first:
+                return 0, 0
+            lo = int(self._first[first : last + 1].min()) * kv_block
+            hi = min(int(self._stop[first : last + 1].max()) * kv_block, self.key_length)
+            return lo, hi
+        inside = self._query_blocks(first_query, last_query)
+        nk = self._visible.shape[1]
+        lo = ops.min(ops.where(inside, ops.convert_to_tensor(self._first), nk)) * kv_block
+        hi = ops.max(ops.where(inside, ops.convert_to_tensor(self._stop), 0)) * kv_block
+        return lo, ops.minimum(hi, self.key_length)
+
+    def segments(self, first_query, last_query, lo, hi):
+        """The runs of consecutive non-empty key blocks that some query among
+        positions `[first_query, last_query]` may see, within keys `[lo, hi)`: a
+        list of `(lo, hi)` key ranges, ascending (static ints only)."""
+        q_block, kv_block = self.block_size
+        last_block = self._visible.shape[0] - 1
+        first = max(0, min(first_query // q_block, last_block))
+        last = max(0, min(last_query // q_block, last_block))
+        nonempty = self._visible[first : last + 1].any(axis=0)
+        runs, begin = [], None
+        for j, visible in enumerate(list(nonempty) + [False]):
+            if visible and begin is None:
+                begin = j
+            elif not visible and begin is not None:
+                start, stop = max(lo, begin * kv_block), min(hi, j * kv_block)
+                if start < stop:
+                    runs.append((start, stop))
+                begin = None
+        return runs
+
+    def _query_blocks(self, first_query, last_query):
+        """`(nq,)` boolean tensor: the query blocks holding positions in
+        `[first_query, last_query]`."""
+        q_block = self.block_size[0]
+        blocks = ops.arange(self._first.shape[0], dtype="int32")
+        first = ops.cast(first_query, "int32") // q_block
+        last = ops.cast(last_query, "int32") // q_block
+        return ops.logical_and(ops.greater_equal(blocks, first), ops.less_equal(blocks, last))
+
+    def visit_order(self, first_query, last_query, lo, hi, key_length):
+        """`(order, count)`, int32 tensors: the key blocks some query among positions
+        `[first_query, last_query]` may see, that also overlap keys `[lo, hi)`, are
+        `order[:count]`, ascending (the rest of `order` is the other blocks). A
+        compiled loop visits those and no other."""
+        kv_block = self.block_size[1]
+        inside = self._query_blocks(first_query, last_query)  # (nq,)
+        visible = ops.convert_to_tensor(self._visible)  # (nq, nk)
+        nonempty = ops.any(ops.logical_and(visible, inside[:, None]), axis=0)  # (nk,)
+        nk = self._visible.shape[1]
+        blocks = ops.arange(nk, dtype="int32")
+        starts = blocks * kv_block
+        overlaps = ops.logical_and(
+            ops.less(starts, hi), ops.greater(ops.minimum(starts + kv_block, key_length), lo)
+        )
+        nonempty = ops.logical_and(nonempty, overlaps)
+        order = ops.cast(ops.argsort(ops.where(nonempty, blocks, blocks + nk)), "int32")
+        return order, ops.sum(ops.cast(nonempty, "int32"))
+
+
+def create_block_mask(mask_mod, B, H, T, S, block_size=128):
+    """Evaluates `mask_mod` block row by block row and records its block map.
+
+    The mask is evaluated eagerly, in steps of whole query blocks holding at most
+    16 Mi entries of the `(B, H, rows, S)` grid, and reduced per block on the host;
+    only the map `(B, H, T / q_block, S / kv_block)` is kept. Build it once (outside
+    any `jit` or `tf.function`) and reuse it for every layer and step.
+
+    Args:
+        mask_mod: `fn(b, h, q_idx, kv_idx) -> bool`, written in `keras.ops` over the
+            broadcast int32 index tensors `b` `(B, 1, 1, 1)`, `h` `(1, H, 1, 1)`,
+            `q_idx` `(1, 1, q, 1)` and `kv_idx` `(1, 1, 1, k)`. Index captured
+            tensors with `ops.take`, not Python indexing.
+        B: batch size, or `None` when the mask does not depend on `b`.
+        H: number of (query) heads, or `None` when it does not depend on `h`.
+        T: number of query positions (with a KV cache: the cache's length).
+        S: number of key positions.
+        block_size: an int, or `(q_block, kv_block)`.
+
+    Returns:
+        A `BlockMask`.
+    """
+    from keras_mha import checks
+
+    if not callable(mask_mod):
+        raise checks.invalid("mask_mod", "a function `(b, h, q_idx, kv_idx) -> bool`", mask_mod)
+    for name, value in (("B", B), ("H", H)):
+        checks.positive_int(name, value, allow_none=True)
+    for name, value in (("T", T), ("S", S)):
+        checks.positive_int(name, value)
+    if isinstance(block_size, (tuple, list)):
+        if len(block_size) != 2:
+            raise checks.invalid("block_size", "an int or a pair of ints", block_size)
+        for value in block_size:
+            checks.positive_int("block_size", value)
+        block_size = tuple(int(x) for x in block_size)
+    else:
+        block_size = (checks.positive_int("block_size", block_size),) * 2
+    q_block, kv_block = block_size
+    lead = (B or 1, H or 1)
+    nq, nk = math.ceil(T / q_block), math.ceil(S / kv_block)
+    kinds = np.empty(lead + (nq, nk), np.int8)
+    draft = BlockMask(mask_mod, np.ones(lead + (nq, nk), np.int8), T, S, block_size, B, H)
+    for start, size in _row_steps(T, draft._row_step()):
+        dense = _evaluate(mask_mod, lead, start, size, draft)
+        some, every = _reduce(dense, q_block, kv_block)
+        rows = slice(start // q_block, start // q_block + some.shape[2])
+        kinds[:, :, rows] = np.where(every, FULL, np.where(some, PARTIAL, EMPTY))
+    return BlockMask(mask_mod, kinds, T, S, block_size, B, H)
+
+
+def _row_steps(length, step):
+    return [(start, min(step, length - start)) for start in range(0, length, step)]
+
+
+def _evaluate(mask_mod, lead, start, size, mask):
+    """The `(B, H, size, S)` NumPy bool grid of query rows `[start, +size)`."""
+    dense = mask.evaluate(start, size, 0, mask.key_length)
+    dense = np.asarray(ops.convert_to_numpy(dense), bool)
+    return np.broadcast_to(dense, lead + (size, mask.key_length))
+
+
+def _reduce(dense, q_block, kv_block):
+    """`(some, every)` per block of a `(B, H, rows, S)` grid (rows from a block's
+    start): whether some entry, and every entry that exists, is true."""
+    batch, heads, rows, keys = dense.shape
+    nq, nk = math.ceil(rows / q_block), math.ceil(keys / kv_block)
+    pad = ((0, 0), (0, 0), (0, nq * q_block - rows), (0, nk * kv_block - keys))
+    shape = (batch, heads, nq, q_block, nk, kv_block)
+    if not any(after for _, after in pad):  # whole blocks: one count per block
+        counts = dense.reshape(shape).sum(axis=(3, 5), dtype=np.int32)
+        return counts > 0, counts == q_block * kv_block
+    some = np.pad(dense, pad, constant_values=False).reshape(shape).any(axis=(3, 5))
+    every = np.pad(dense, pad, constant_values=True).reshape(shape).all(axis=(3, 5))
+    return some, every
+
+
+# ----------------------------------------------------------------- combining masks
+def and_masks(*mask_mods):
+    """A `mask_mod` true where all of `mask_mods` are."""
+    return _combine(mask_mods, ops.logical_and)
+
+
+def or_masks(*mask_mods):
+    """A `mask_mod` true where any of `mask_mods` is."""
+    return _combine(mask_mods, ops.logical_or)
+
+
+def _combine(mask_mods, op):
+    if not mask_mods or not all(callable(m) for m in mask_mods):
+        from keras_mha import checks
+
+        raise checks.invalid("mask_mods", "one or more functions", mask_mods)
+
+    def combined(b, h, q_idx, kv_idx):
+        out = mask_mods[0](b, h, q_idx, kv_idx)
+        for mask_mod in mask_mods[1:]:
+            out = op(out, mask_mod(b, h, q_idx, kv_idx))
+        return out
+
+    return combined
+
+
+# -------------------------------------------------------------- named patterns
+def causal():
+    """Query `q` sees keys `kv <= q`."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ops.greater_equal(q_idx, kv_idx)
+
+    return mask_mod
+
+
+def sliding_window(left, right=0):
+    """Query `q` sees keys `q - left <= kv <= q + right` (`right=0`: causal window
+    of `left + 1` keys)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        distance = q_idx - kv_idx
+        return ops.logical_and(ops.less_equal(distance, left), ops.greater_equal(distance, -right))
+
+    return mask_mod
+
+
+def prefix_lm(prefix_length):
+    """Causal, and every query sees the first `prefix_length` keys (PaliGemma's
+    bidirectional prefix)."""
+    return or_masks(causal(), lambda b, h, q_idx, kv_idx: ops.less(kv_idx, prefix_length))
+
+
+def document(ids, causal_within=True):
+    """Packed rows: a query sees keys of its own document (ids `(S,)` or `(B, S)`,
+    positions of queries and keys alike), causally unless `causal_within=False`."""
+    ids = ops.convert_to_tensor(np.asarray(ids) if not hasattr(ids, "dtype") else ids)
+    ids = ops.cast(ids, "int32")
+    length = ids.shape[-1]
+    flat = ops.reshape(ids, (-1,))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        row = b * length if len(ids.shape) == 2 else 0
+        same = ops.equal(ops.take(flat, row + q_idx), ops.take(flat, row + kv_idx))
+        return ops.logical_and(same, ops.greater_equal(q_idx, kv_idx)) if causal_within else same
+
+    return mask_mod
+
+
+# ------------------------------------------------------------------ a layer's call
+# Block masks the layer built from a bare `mask_mod`, by (mask_mod, T, S): the same
+# function on the same lengths is evaluated once. Oldest first; a few kept.
+_BUILT = {}
+_BUILT_KEPT = 16
+
+
+def for_call(mask_mod, batch, heads, query_length, key_length, offset, cached):
+    """The `BlockMask` of a layer call's `mask_mod` argument, checked against the call.
+
+    Args:
+        mask_mod: a `BlockMask`, or a function: then built (once per function and
+            lengths) with `B = H = None`, eagerly (outside any graph being traced).
+        batch: the call's `B` (`None` when unknown).
+        heads: the layer's number of heads.
+        query_length: `T` of the call (`None` when unknown).
+        key_length: `S` (with a KV cache, its length).
+        offset: position of the first query: `None`, an int or a scalar tensor.
+        cached: a KV cache is used: queries sit anywhere in `[0, S)`, so a function
+            is built for `T = S`.
+    """
+    from keras_mha import checks
+
+    if isinstance(mask_mod, BlockMask):
+        checks.block_mask(mask_mod, batch, heads, query_length, key_length, offset)
+        return mask_mod
+    if not callable(mask_mod):
+        raise checks.invalid(
+            "mask_mod", "a function `(b, h, q_idx, kv_idx) -> bool` or a `BlockMask`", mask_mod
+        )
+    positions = key_length if cached else query_length
+    if not (checks.is_known(positions) and checks.is_known(key_length)):
+        raise checks.invalid(
+            "mask_mod",
+            "a `BlockMask` (`keras_mha.block_mask.create_block_mask`) where the lengths are "
+            "unknown when tracing; a function needs static `T` and `S`",
+            mask_mod,
+            f"with T={query_length}, S={key_length}",
+        )
+    key = (mask_mod, int(positions), int(key_length))
+    if key not in _BUILT:
+        while len(_BUILT) >= _BUILT_KEPT:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = _eagerly(lambda: create_block_mask(mask_mod, None, None, *key[1:]))
+    built = _BUILT[key]
+    checks.block_mask(built, batch, heads, query_length, key_length, offset)
+    return built
+
+
+def _eagerly(build):
+    """`build()` outside the graph being traced: TensorFlow's `tf.function`, or
+    JAX's `jit` (its ops on concrete arrays then run at once)."""
+    from keras import backend
+
+    if backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.init_scope():
+            return build()
+    if backend.backend() == "jax":
+        import jax
+
+        with jax.ensure_compile_time_eval():
+            return build()
+    return build()
