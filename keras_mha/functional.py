@@ -8,10 +8,12 @@ keras-hub model's attention, a custom block). One entry point on every backend, 
 key/value heads, a KV cache's query offset, soft cap and sinks.
 """
 
+import dataclasses
 import math
 
 from keras import ops
 
+from keras_mha import block_mask as block_mask_lib
 from keras_mha import checks, equations, kernels
 from keras_mha import masks as masks_lib
 from keras_mha import score_mod as score_mod_lib
@@ -26,6 +28,7 @@ def attention(
     *,
     score_mod=None,
     mask=None,
+    mask_mod=None,
     use_causal_mask=False,
     sliding_window=None,
     query_offset=None,
@@ -53,6 +56,9 @@ def attention(
             `keras_mha.score_mod`); calls with one run the chunked or explicit kernel.
         mask: `None` or a boolean mask broadcastable to `(B, T, S)` or, per head,
             `(B, N, T, S)`; `True` means "may attend".
+        mask_mod: `None`, a function `fn(b, h, q_idx, kv_idx) -> bool` of `keras.ops`
+            code, or a `keras_mha.block_mask.BlockMask` (see `keras_mha.block_mask`),
+            ANDed with the other masks; the chunked kernel skips its empty key blocks.
         use_causal_mask: query `t` sees keys `s <= t + query_offset`.
         sliding_window: `None`, a positive int `w` (`|t - s| < w`) or a pair
             `(left, right)` of non-negative ints (the layer's `sliding_window`).
@@ -102,6 +108,20 @@ def attention(
         sliding_window=sliding_window,
         offset=query_offset,
     )
+    if mask_mod is not None:
+        built = block_mask_lib.for_call(
+            mask_mod,
+            query.shape[0],
+            query.shape[2],
+            query.shape[1],
+            key.shape[1],
+            query_offset,
+            cached=query_offset is not None,
+        )
+        start = 0 if query_offset is None else query_offset
+        described = dataclasses.replace(
+            described or masks_lib.AttentionMask(offset=start), block_mask=built
+        )
     output, scores = kernels.attention(
         query,
         key,

@@ -606,3 +606,34 @@ def test_rows_with_no_key_as_the_builtin_gives_them(rng, implementation):
     np.testing.assert_allclose(to_numpy(layer(x, x, mask_mod=built)), want, atol=1e-5)
     empty = masks.AttentionMask(block_mask=built).empty_rows(L, L)
     np.testing.assert_array_equal(to_numpy(empty)[0, 0], ~dense[0, 0].any(axis=-1))
+
+
+@pytest.mark.parametrize("implementation", [None, "explicit", "chunked"])
+@pytest.mark.parametrize("name", ["dilated", "block-diagonal"])
+def test_functional_attention_takes_a_mask_mod(rng, implementation, name):
+    """`keras_mha.attention(..., mask_mod=)`: a function or a prebuilt `BlockMask`, with
+    one key/value head serving both query heads, against the reference forward and
+    backward (through the explicit kernel on the dense mask)."""
+    t, s = 13, 14
+    mod, batch, heads, dense = PATTERNS[name](t, s)
+    built, _ = _block_mask(name, t, s)
+    q, k, v = _inputs(rng, t, s)
+    k, v = k[:, :, :1], v[:, :, :1]
+    dense = np.broadcast_to(dense, (B, N, t, s))
+    want, _ = reference_attention(q, np.repeat(k, N, axis=2), np.repeat(v, N, axis=2), dense)
+    for given in (mod, built):
+
+        def fn(q, k, v, given=given):
+            return keras_mha.attention(
+                q, k, v, mask_mod=given, implementation=implementation, chunk_size=4
+            )
+
+        out, grads = value_and_grads(fn, [q, k, v])
+        np.testing.assert_allclose(out, want, atol=ATOL)
+
+        def dense_fn(q, k, v):
+            return keras_mha.attention(q, k, v, mask=ops.convert_to_tensor(dense))
+
+        _, expected = value_and_grads(dense_fn, [q, k, v])
+        for got, wanted in zip(grads, expected):
+            np.testing.assert_allclose(got, wanted, atol=ATOL)

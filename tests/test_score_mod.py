@@ -15,7 +15,7 @@ from keras import ops
 from reference import numeric_gradient, reference_attention
 
 import keras_mha
-from keras_mha import equations, kernels, masks
+from keras_mha import block_mask, equations, kernels, masks
 from keras_mha import score_mod as sm
 from keras_mha.kernels import chunked, explicit
 
@@ -70,12 +70,26 @@ MASKINGS = {
     "causal+padding": dict(causal=True, key_valid=True),
     "offset+causal": dict(causal=True, offset=2),
 }
+# A block mask (`keras_mha.block_mask`) with empty key blocks inside a chunk's key range:
+# key blocks of 4, the even ones seen by every query, an odd one by its own queries only.
+# The chunked kernels compute such a chunk's runs of blocks apart and merge them.
+HOLES = {"block mask with holes": dict(holes=True)}
+
+
+def _holes(b, h, q_idx, kv_idx):
+    return ops.logical_or(ops.equal((kv_idx // 4) % 2, 0), ops.equal(q_idx // 4, kv_idx // 4))
 
 
 def _mask_of(masking, t, s):
-    spec = MASKINGS[masking]
+    spec = {**MASKINGS, **HOLES}[masking]
     if not spec:
         return None, None, 0
+    if spec.get("holes"):
+        rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
+        dense = np.broadcast_to(((cols // 4) % 2 == 0) | (rows // 4 == cols // 4), (B, t, s))
+        built = block_mask.create_block_mask(_holes, None, None, t, s, block_size=4)
+        assert built.segments(0, 3, 0, s) == [(0, 4), (8, s)]  # a hole for queries 0-3
+        return masks.AttentionMask(block_mask=built), dense.copy(), 0
     offset = spec.get("offset", 0)
     rows, cols = np.arange(t)[:, None] + offset, np.arange(s)[None, :]
     dense = np.broadcast_to(rows >= cols, (B, t, s)).copy()
@@ -159,6 +173,18 @@ def _assert_close(got, want):
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_pattern_matches_reference_forward_and_backward(kernel, masking, pattern):
     t, s = 7, 9
+    mask, _, offset = _mask_of(masking, t, s)
+    got = value_and_grads(_run(kernel, pattern, mask, offset), _arrays(t, s))
+    _assert_close(got, _reference(pattern, masking, t, s))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("pattern", ["alibi", "learned_table"])
+def test_pattern_with_a_block_mask_matches_reference_forward_and_backward(kernel, pattern):
+    """A score function with a `mask_mod`'s block mask: the chunked kernels skip the empty
+    key blocks and still sum the table's gradient over the runs they compute."""
+    t, s = 7, 9
+    masking = next(iter(HOLES))
     mask, _, offset = _mask_of(masking, t, s)
     got = value_and_grads(_run(kernel, pattern, mask, offset), _arrays(t, s))
     _assert_close(got, _reference(pattern, masking, t, s))
