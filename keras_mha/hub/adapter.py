@@ -104,6 +104,9 @@ class HubAttention(keras.layers.Layer):
             # Built from a list of shapes, the hidden states' first (SmolLM3).
             input_shape = input_shape[0]
         input_shape = tuple(input_shape)
+        if len(input_shape) == 2:
+            # Built from `(B, dim)` (Gemma 3n's decoder drops a dimension): a sequence.
+            input_shape = (None, None, input_shape[-1])
         options = self.entry.options(self.config, input_shape[-1])
         self.attention = layer_lib.MultiHeadAttention(
             **options, dtype=self.dtype_policy, name="attention"
