@@ -1092,3 +1092,52 @@ def test_decoder_blocks_pass_their_masks_described(pair):
         )
         assert isinstance(mask, hub.common.DecoderMask)
         np.testing.assert_array_equal(to_numpy(mask.padding_mask), inputs["padding_mask"])
+
+
+def test_gemma4_options_per_layer_kind():
+    """Local layers: separate projections, full RoPE; `attention_k_eq_v` global layers:
+    tied key/value with their own key/value heads and proportional partial RoPE (keras-
+    hub's `rotary_dim`: `int(factor * head_dim)`, even, at least 2); KV-shared layers: no
+    key/value projection."""
+    gemma4 = "gemma4.gemma4_attention.Gemma4TextAttention"
+    common = dict(head_dim=8, num_query_heads=2, num_key_value_heads=2)
+    local = _options(gemma4, **common, use_sliding_window_attention=True, attention_k_eq_v=True)
+    assert local["key_value_projection"] == "separate"  # K = V only on global layers
+    assert (local["rope_dim"], local["num_key_value_heads"], local["scale"]) == (None, 2, 1.0)
+    tied = dict(common, attention_k_eq_v=True, num_global_key_value_heads=1)
+    glob = _options(gemma4, **tied, rope_partial_rotary_factor=0.3)
+    assert glob["key_value_projection"] == "tied" and glob["num_key_value_heads"] == 1
+    assert (glob["rope_dim"], glob["rope_dim_layout"]) == (2, "proportional")  # int(2.4) = 2
+    shared = _options(gemma4, **tied, is_kv_shared_layer=True)
+    assert shared["key_value_projection"] == "none"
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_gemma4_mask_sliding_window_is_keras_hubs(bidirectional):
+    """Gemma 4's decoder block windows its dense mask through its attention's
+    `_mask_sliding_window`: the swapped layer's gives keras-hub's, at a cache offset."""
+    from keras_hub.src.models.gemma4.gemma4_attention import Gemma4TextAttention
+
+    kwargs = dict(
+        head_dim=4,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window_attention=True,
+        sliding_window_size=3,
+        use_bidirectional_attention=bidirectional,
+    )
+    theirs = Gemma4TextAttention(**kwargs)
+    hub.patch()
+    try:
+        ours = Gemma4TextAttention(**kwargs)
+    finally:
+        hub.unpatch()
+    assert isinstance(ours, hub.HubAttention)
+    rng = np.random.default_rng(0)
+    cases = [(6, 6, 0)] if bidirectional else [(6, 6, 0), (2, 8, 3), (1, 8, 7)]
+    for queries, keys, index in cases:
+        mask = rng.random((2, queries, keys)) < 0.8
+        expected = to_numpy(theirs._mask_sliding_window(mask, cache_update_index=index))
+        got = to_numpy(ours._mask_sliding_window(mask, cache_update_index=index))
+        np.testing.assert_array_equal(got, expected)
+        assert not got.all()
