@@ -570,12 +570,12 @@ FORWARD = {"Gemma3nCausalLM": _gemma3n_logits}
 class _Forward(keras.Model):
     """A task trained through its `FORWARD` function."""
 
-    def __init__(self, task, forward):
+    def __init__(self, task, logits_of):
         super().__init__()
-        self.task, self.forward = task, forward
+        self.task, self.logits_of = task, logits_of  # not `forward`: torch's Module method
 
     def call(self, inputs):
-        return self.forward(self.task, inputs)
+        return self.logits_of(self.task, inputs)
 
 
 def _trainer(task):
