@@ -34,8 +34,9 @@ def check_layout(value_dim, key_dim):
         )
 
 
-def validate(cache, *, query_shape, num_key_value_heads, key_dim, index_given):
-    """Checks the cache and the query it is used with; raises `ValueError`.
+def validate(cache, *, query_shape, num_key_value_heads, key_dim, index_given, name="cache"):
+    """Checks the cache (or keys and values in its layout, the argument `name`) and
+    the query it is used with; raises `ValueError`.
 
     Args:
         cache: the cache tensor, expected `(B, 2, max_length, num_key_value_heads,
@@ -47,12 +48,12 @@ def validate(cache, *, query_shape, num_key_value_heads, key_dim, index_given):
     shape = tuple(cache.shape)
     expected = f"(batch, 2, max_length, {num_key_value_heads}, {key_dim})"
     if len(shape) != 5:
-        raise checks.invalid("cache", f"a rank-5 tensor of shape {expected}", f"shape {shape}")
+        raise checks.invalid(name, f"a rank-5 tensor of shape {expected}", f"shape {shape}")
     if any(
         checks.dims_differ(have, want)
         for have, want in zip(shape[3:], (num_key_value_heads, key_dim))
     ) or checks.dims_differ(shape[1], 2):
-        raise checks.invalid("cache", f"a tensor of shape {expected}", f"shape {shape}")
+        raise checks.invalid(name, f"a tensor of shape {expected}", f"shape {shape}")
     if len(query_shape) != 3:
         raise checks.invalid(
             "query",
@@ -62,7 +63,7 @@ def validate(cache, *, query_shape, num_key_value_heads, key_dim, index_given):
     batch = query_shape[0]
     if checks.dims_differ(batch, shape[0]):
         raise checks.invalid(
-            "cache",
+            name,
             f"the query's batch size ({batch}) as its first dimension",
             f"shape {shape}",
         )
@@ -70,7 +71,7 @@ def validate(cache, *, query_shape, num_key_value_heads, key_dim, index_given):
     known = checks.is_known(length) and checks.is_known(max_length)
     if index_given and known and length > max_length:
         raise checks.invalid(
-            "cache",
+            name,
             f"room for the query's {length} new positions",
             f"shape {shape}",
         )

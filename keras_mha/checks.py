@@ -307,6 +307,8 @@ def call_arguments(arguments, axes, num_heads, rotates=False, position_streams=N
     axes = attention_axes_for_rank(axes, len(query_shape))
     free_axes(query_shape, value_shape, axes)
     cache = arguments.get("cache")
+    if cache is None:
+        cache = arguments.get("shared_key_value")  # keys and values held elsewhere
     packed(
         arguments.get("segment_ids"),
         arguments.get("key_segment_ids"),

@@ -25,12 +25,18 @@ from keras_mha import sinks as sinks_lib
 FULLY_MASKED_ROWS = ("zero", "builtin")
 # Where attention dropout applies: see the `dropout_on` argument.
 DROPOUT_ON = ("weights", "output", "weights_and_projected_output")
+# Where the keys and values come from: see the `key_value_projection` argument.
+KEY_VALUE_PROJECTIONS = ("separate", "tied", "none")
 _MASK_ARGUMENTS = ("query_mask", "value_mask", "key_mask", "attention_mask")
 # Packed rows: integer per-position arguments, given as lists too.
 _ID_ARGUMENTS = ("segment_ids", "key_segment_ids", "positions", "key_positions")
 # Call flags -> what `None` means: no causal mask, as the built-in reads it; the
 # constructor's default for the scores.
-_FLAG_ARGUMENTS = {"use_causal_mask": False, "return_attention_scores": None}
+_FLAG_ARGUMENTS = {
+    "use_causal_mask": False,
+    "return_attention_scores": None,
+    "return_key_value": False,
+}
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -242,6 +248,14 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             then, at the same rate, the layer's output `(B, T, out)` after the
             output projection and its bias (a `keras.layers.Dropout` as
             "output"), as keras-hub's Bloom attention drops both.
+        key_value_projection: Where the keys and values come from: "separate" (the
+            default: a key and a value projection), "tied" (one key projection: the
+            values are its output before the key norm and RoPE, then the value norm
+            if `normalize_value`; Gemma 4's `attention_k_eq_v` global layers: no
+            `value` weights, needs `value_dim == key_dim`) or "none" (no key or
+            value projection nor key norm: every call attends over keys and values
+            another layer computed, its `shared_key_value`; the KV-shared layers of
+            Gemma 4). Any layer may be given `shared_key_value`; with "none" it must.
         **kwargs: Base `Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -317,12 +331,27 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             query's position `cache_update_index + t`, and a `BlockMask` covers the
             cache's positions. A function is evaluated once per function and
             lengths, which must be known when tracing. `(B, T, dim)` inputs only.
+        shared_key_value: Optional `(B, 2, S, Nkv, key_dim)` keys and values that
+            another layer computed, in the cache's layout (`[:, 0]` keys, `[:, 1]`
+            values, projected, normed and rotated): another layer's returned `cache`
+            or its `return_key_value` output (KV sharing across layers: Gemma 3n and
+            Gemma 4). Attention then runs over those `S` positions, as over a cache
+            it does not write: this layer's own key and value projections (if any)
+            are not used, `key` and `value` are not projected (pass the query);
+            masks over keys cover the `S` positions; with `cache_update_index`, the
+            queries sit at `cache_update_index + t` (RoPE, causal and window masks)
+            as when decoding. Not with `cache`; needs `value_dim == key_dim`.
+        return_key_value: If `True`, also return the keys and values attention ran
+            over, `(B, 2, S, Nkv, key_dim)` in the cache's layout, last: for a later
+            layer's `shared_key_value`. With a cache they are the updated cache
+            (returned once); with `shared_key_value`, that tensor.
 
     Returns:
         output: `(B, T, dim)`, or `(B, T) + output_shape` when given.
         scores: (if requested) `(B, N, T, S)`; for N-d attention
             `(B, <other axes>, N, <query attention axes>, <key attention axes>)`.
-        cache: (if a cache is given) the updated cache, last in the returned tuple.
+        cache: (if a cache is given) the updated cache, last in the returned tuple;
+            else, with `return_key_value`, the call's keys and values, last.
 
     FAQ, on conventions that confuse people:
 
@@ -383,6 +412,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         normalize_value=False,
         dropout_on="weights",
         score_mod=None,
+        key_value_projection="separate",
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -444,6 +474,14 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         normalize_value = checks.flag("normalize_value", normalize_value)
         checks.one_of("dropout_on", dropout_on, DROPOUT_ON)
         score_mod = score_mod_lib.get(score_mod)
+        checks.one_of("key_value_projection", key_value_projection, KEY_VALUE_PROJECTIONS)
+        if key_value_projection == "tied" and value_dim not in (None, key_dim):
+            raise checks.invalid(
+                "value_dim",
+                f"`None` or key_dim={key_dim} with key_value_projection='tied' (the values "
+                "are the key projection's output)",
+                value_dim,
+            )
         super().__init__(**kwargs)
         self.supports_masking = True
         self._num_heads = num_heads
@@ -490,6 +528,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         self._normalize_value = normalize_value
         self._dropout_on = dropout_on
         self._score_mod = score_mod
+        self._key_value_projection = key_value_projection
 
     # ------------------------------------------------------------------ properties
     @property
@@ -526,10 +565,12 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
 
     @property
     def key_dense(self):
+        """The key projection; `None` with `key_value_projection="none"`."""
         return self._key_dense
 
     @property
     def value_dense(self):
+        """The value projection; `None` with `key_value_projection` "tied" or "none"."""
         return self._value_dense
 
     @property
@@ -590,6 +631,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             "normalize_value": self._normalize_value,
             "dropout_on": self._dropout_on,
             "score_mod": score_mod_lib.config(self._score_mod),
+            "key_value_projection": self._key_value_projection,
         }
         return {**super().get_config(), **config}
 
@@ -622,15 +664,19 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         self._query_dense = self._projection(rank, self._num_heads, self._key_dim, "query")
         self._query_dense.build(query_shape)
         kv_heads = self._num_key_value_heads
-        self._key_dense = self._projection(rank, kv_heads, self._key_dim, "key")
-        self._key_dense.build(key_shape)
+        projects = self._key_value_projection
+        self._key_dense = self._value_dense = None
+        if projects != "none":
+            self._key_dense = self._projection(rank, kv_heads, self._key_dim, "key")
+            self._key_dense.build(key_shape)
         if self._use_gate:
             self._gate_dense = self._projection(
                 rank, self._num_heads, self._value_dim, "gate", activation="sigmoid"
             )
             self._gate_dense.build(query_shape)
-        self._value_dense = self._projection(rank, kv_heads, self._value_dim, "value")
-        self._value_dense.build(value_shape)
+        if projects == "separate":
+            self._value_dense = self._projection(rank, kv_heads, self._value_dim, "value")
+            self._value_dense.build(value_shape)
 
         self._attention_axes = normalized_axes
         self._build_attention(rank + 1)
@@ -641,7 +687,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         if self._normalize_qk:
             # Created last, so the first weights stay those of the built-in layer.
             self._query_norm = self._norm("query_norm", self._key_dim)
-            self._key_norm = self._norm("key_norm", self._key_dim)
+            if projects != "none":
+                self._key_norm = self._norm("key_norm", self._key_dim)
         if self._normalize_value:
             # No weight: the weights' list and order stay as they are.
             self._value_norm = self._norm("value_norm", self._value_dim, use_scale=False)
@@ -693,6 +740,12 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
                     rotates=self._rope_max_wavelength is not None,
                     position_streams=self._position_streams(),
                 )
+                # Before Keras builds the layer: a rejected call leaves no weights.
+                query = bound.arguments.get("query")
+                if hasattr(query, "shape"):
+                    self._check_shared(
+                        query, bound.arguments.get("cache"), bound.arguments.get("shared_key_value")
+                    )
         return super().__call__(*args, **kwargs)
 
     def call(
@@ -717,6 +770,8 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         key_positions=None,
         score_mod=None,
         mask_mod=None,
+        shared_key_value=None,
+        return_key_value=False,
     ):
         if key is None:
             key = value
@@ -728,8 +783,15 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             query_mask = output_mask
         value, key = (self._broadcast_free_axes(query, x) for x in (value, key))
         need_scores = self._wants_scores(return_attention_scores)
-        cache_update_index = self._check_cache(query, cache, cache_update_index)
+        self._check_shared(query, cache, shared_key_value)
+        cache_update_index = self._check_cache(
+            query, cache, cache_update_index, shared=shared_key_value is not None
+        )
+        if shared_key_value is not None:
+            checks.cache_update_mask(cache_update_mask, None, tuple(query.shape))
         checks.cache_update_mask(cache_update_mask, cache_update_index, tuple(query.shape))
+        # The keys attention runs over: the call's, a cache's or another layer's.
+        held = cache if shared_key_value is None else shared_key_value
         self._check_call(
             query,
             value,
@@ -738,37 +800,45 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             value_mask,
             key_mask,
             attention_mask,
-            key_length=None if cache is None else cache.shape[2],
+            key_length=None if held is None else held.shape[2],
         )
-        keys = tuple(key.shape) if cache is None else (None, cache.shape[2])
+        keys = tuple(key.shape) if held is None else (None, held.shape[2])
         checks.attention_bias(
             attention_bias,
             checks.scores_shape(tuple(query.shape), keys, self._attention_axes, self._num_heads),
         )
 
+        own_keys = shared_key_value is None
         projected_query, projected_key, projected_value, gate = self._project(
-            query, key, value, callers_tensors
+            query, key, value, callers_tensors, own_keys
         )
         if self._normalize_qk:
             projected_query = self._query_norm(projected_query)
-            projected_key = self._key_norm(projected_key)
-        if self._normalize_value:
+            if own_keys:
+                projected_key = self._key_norm(projected_key)
+        if self._normalize_value and own_keys:
             projected_value = self._value_norm(projected_value)
         if self._rope_max_wavelength is not None:
             # Queries and the new keys sit at `cache_update_index + t` when decoding.
             start = 0 if cache_update_index is None else cache_update_index
-            if positions is None and segment_ids is not None and cache is None:
+            if positions is None and segment_ids is not None and held is None:
                 positions = rope.segment_positions(segment_ids)  # restart per document
             projected_query = self._rotate(projected_query, start, positions)
             if key_positions is None:
                 key_positions = positions
-            projected_key = self._rotate(projected_key, start, key_positions)
+            if own_keys:
+                projected_key = self._rotate(projected_key, start, key_positions)
         if cache is not None:
             if cache_update_index is not None:
                 cache = cache_lib.update(
                     cache, projected_key, projected_value, cache_update_index, cache_update_mask
                 )
             projected_key, projected_value = cache_lib.split(cache)
+        elif not own_keys:
+            shared_key_value = ops.cast(shared_key_value, self.compute_dtype)
+            projected_key, projected_value = cache_lib.split(shared_key_value)
+        elif return_key_value:
+            shared_key_value = ops.stack([projected_key, projected_value], axis=1)
         projected_key, projected_value = self._repeat_key_value_heads(
             projected_key, projected_value
         )
@@ -789,7 +859,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             # Hooks overridden as for the built-in (`_compute_attention`, the mask
             # and softmax hooks) see its dense mask, causality merged in.
             mask = self._compute_attention_mask(
-                query, value if cache is None else projected_key, **masks
+                query, value if held is None else projected_key, **masks
             )
         if segment_ids is not None:
             mask = self._with_segments(mask, segment_ids, key_segment_ids, described)
@@ -815,7 +885,9 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         if output_mask is not None:
             masks_lib.set_keras_mask(output, output_mask)
         if need_scores and len(query.shape) == 3:
-            self._mask_scores(scores, query, value if cache is None else projected_key, masks)
+            self._mask_scores(scores, query, value if held is None else projected_key, masks)
+        if cache is None and return_key_value:
+            cache = shared_key_value  # the keys and values attended over
         if cache is not None:
             return (output, scores, cache) if need_scores else (output, cache)
         return (output, scores) if need_scores else output
@@ -835,14 +907,51 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             dtype or self.compute_dtype,
         )
 
-    def _check_cache(self, query, cache, cache_update_index):
-        """Validates the cache arguments; returns the index as an int or int32 tensor."""
-        if cache is None:
+    def _check_shared(self, query, cache, shared_key_value):
+        """`shared_key_value`: given where the layer has no keys of its own, never with a
+        cache, shaped as a cache of this layer."""
+        if shared_key_value is None:
+            if self._key_value_projection == "none":
+                raise checks.invalid(
+                    "shared_key_value",
+                    "the keys and values of another layer, (B, 2, S, "
+                    f"{self._num_key_value_heads}, {self._key_dim}), on a layer with "
+                    "key_value_projection='none'",
+                    None,
+                )
+            return
+        if cache is not None:
+            raise checks.invalid(
+                "shared_key_value",
+                "`None` when a `cache` is given (a layer reads another's keys and values "
+                "or its own cache, not both)",
+                f"shape {checks.shape_str(tuple(shared_key_value.shape))}",
+            )
+        cache_lib.check_layout(self._value_dim, self._key_dim)
+        cache_lib.validate(
+            shared_key_value,
+            query_shape=tuple(query.shape),
+            num_key_value_heads=self._num_key_value_heads,
+            key_dim=self._key_dim,
+            index_given=False,
+            name="shared_key_value",
+        )
+
+    def _check_cache(self, query, cache, cache_update_index, shared=False):
+        """Validates the cache arguments; returns the index as an int or int32 tensor.
+        With `shared` keys and values, the index is the queries' offset among them."""
+        if cache is None and not shared:
             if cache_update_index is not None:
                 raise checks.invalid(
-                    "cache_update_index", "`None` when no `cache` is given", cache_update_index
+                    "cache_update_index",
+                    "`None` when no `cache` (or `shared_key_value`) is given",
+                    cache_update_index,
                 )
             return None
+        if cache is None:
+            if cache_update_index is None:
+                return None
+            return cache_lib.as_index(cache_update_index)
         cache_lib.check_layout(self._value_dim, self._key_dim)
         cache_lib.validate(
             cache,
@@ -922,8 +1031,10 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             return self._return_attention_scores
         return checks.flag("return_attention_scores", return_attention_scores)
 
-    def _project(self, query, key, value, callers_tensors):
-        """Runs the projections; returns `(query, key, value, gate or None)`.
+    def _project(self, query, key, value, callers_tensors, own_keys=True):
+        """Runs the projections; returns `(query, key, value, gate or None)` (key and
+        value `None` without `own_keys`; with `key_value_projection="tied"`, the value
+        is the key projection's output).
 
         The Keras masks of `callers_tensors` (the `query`, `value` and `key` the call
         received) are removed, as the built-in removes them: layers after the
@@ -936,8 +1047,13 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             masks_lib.set_keras_mask(x, None)
         try:
             gate = self._gate_dense(query) if self._use_gate else None
-            denses = (self._query_dense, self._key_dense, self._value_dense)
-            projected = tuple(dense(x) for dense, x in zip(denses, (query, key, value)))
+            projected = (self._query_dense(query), None, None)
+            if own_keys:
+                projected_key = self._key_dense(key)
+                projected_value = (
+                    projected_key if self._value_dense is None else self._value_dense(value)
+                )
+                projected = (projected[0], projected_key, projected_value)
         finally:
             if self._keep_input_masks:
                 for x, mask in zip(callers_tensors, saved):
@@ -1198,21 +1314,32 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         key_positions=None,
         score_mod=None,
         mask_mod=None,
+        shared_key_value=None,
+        return_key_value=False,
     ):
         key_shape = None if key is None else key.shape
         output = keras.KerasTensor(
             self.compute_output_shape(query.shape, value.shape, key_shape),
             dtype=self.compute_dtype,
         )
-        cache_spec = () if cache is None else (keras.KerasTensor(cache.shape, cache.dtype),)
+        cache_spec = ()
+        if cache is not None:
+            cache_spec = (keras.KerasTensor(cache.shape, cache.dtype),)
+        elif return_key_value and shared_key_value is not None:
+            cache_spec = (keras.KerasTensor(shared_key_value.shape, self.compute_dtype),)
+        elif return_key_value:
+            keys = (value if key is None else key).shape
+            held = (keys[0], 2, keys[1], self._num_key_value_heads, self._key_dim)
+            cache_spec = (keras.KerasTensor(held, self.compute_dtype),)
         if not self._wants_scores(return_attention_scores):
             return (output, *cache_spec) if cache_spec else output
         rank = len(query.shape)
         axes = checks.attention_axes_for_rank(self._attention_axes, rank)
         heads = (self._num_heads, self._key_dim)
         key_positions = tuple((value if key is None else key).shape[:-1])
-        if cache is not None:
-            key_positions = (query.shape[0], cache.shape[2])
+        held = cache if shared_key_value is None else shared_key_value
+        if held is not None:
+            key_positions = (query.shape[0], held.shape[2])
         scores = equations.scores_shape(
             tuple(query.shape[:-1]) + heads, key_positions + heads, axes
         )

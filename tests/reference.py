@@ -249,7 +249,9 @@ def layer_weights(layer):
     names = ["query", "key", "value", "output"] + (["gate"] if _has_gate(layer) else [])
     result = {}
     for name in names:
-        dense = getattr(layer, f"_{name}_dense")
+        dense = getattr(layer, f"_{name}_dense", None)
+        if dense is None:  # `key_value_projection` "tied" or "none"
+            continue
         kernel = np.asarray(keras.ops.convert_to_numpy(dense.kernel), np.float64)
         bias = None if dense.bias is None else keras.ops.convert_to_numpy(dense.bias)
         result[name] = (kernel, None if bias is None else np.asarray(bias, np.float64))
@@ -278,6 +280,8 @@ def reference_mha(
     output_keep=None,
     positions=None,
     key_positions=None,
+    shared_key_value=None,
+    query_offset=0,
 ):
     """Float64 NumPy forward pass of a built `MultiHeadAttention` (ours or built-in).
 
@@ -299,6 +303,12 @@ def reference_mha(
         positions: RoPE positions of the queries and keys (self-attention): `None`
             (`t`), `(B, T)`, or M-RoPE's `(B, 3, T)`.
         key_positions: the keys' own RoPE positions, when not `positions`.
+        shared_key_value: `(B, 2, S, Nkv, H)` keys and values another layer computed
+            (ours' `shared_key_value`): used as they are, not projected.
+        query_offset: the queries' position among the keys (RoPE, causal, window).
+
+    With `key_value_projection="tied"`, the values are the key projection's output
+    (before the key norm and RoPE).
 
     Returns:
         `(output, scores)` as float64 arrays; fully-masked rows have zero scores.
@@ -307,12 +317,18 @@ def reference_mha(
     key = value if key is None else np.asarray(key, np.float64)
     w = layer_weights(layer)
     q = _project(query, *w["query"], 1)
-    k = _project(key, *w["key"], 1)
-    v = _project(value, *w["value"], 1)
+    own = shared_key_value is None
+    if own:
+        k = _project(key, *w["key"], 1)
+        v = _project(value, *w["value"], 1) if "value" in w else k  # tied: the key's
+    else:
+        shared = np.asarray(shared_key_value, np.float64)
+        k, v = shared[:, 0], shared[:, 1]
     if getattr(layer, "_normalize_qk", False):
         q = _rms_norm(q, layer._query_norm)
-        k = _rms_norm(k, layer._key_norm)
-    if getattr(layer, "_normalize_value", False):
+        if own:
+            k = _rms_norm(k, layer._key_norm)
+    if getattr(layer, "_normalize_value", False) and own:
         v = rms_norm(v, 1.0, layer._value_norm.epsilon)
     wavelength = getattr(layer, "_rope_max_wavelength", None)
     if wavelength is not None:
@@ -323,10 +339,11 @@ def reference_mha(
             layout=getattr(layer, "_rope_dim_layout", "prefix"),
             interleaved=getattr(layer, "_rope_interleaved", False),
         )
-        q = rope(q, 0, wavelength, layer._rope_scaling_factor, **options)
+        q = rope(q, query_offset, wavelength, layer._rope_scaling_factor, **options)
         if key_positions is not None:
             options["positions"] = key_positions
-        k = rope(k, 0, wavelength, layer._rope_scaling_factor, **options)
+        if own:
+            k = rope(k, 0, wavelength, layer._rope_scaling_factor, **options)
     repeats = layer.num_heads // getattr(layer, "num_key_value_heads", layer.num_heads)
     k, v = np.repeat(k, repeats, axis=-2), np.repeat(v, repeats, axis=-2)
     sinks = None
@@ -335,8 +352,8 @@ def reference_mha(
     soft_cap = getattr(layer, "_logit_soft_cap", None)
     axes = layer.attention_axes
     if use_causal_mask or sliding_window is not None:
-        t, s = query.shape[1], key.shape[1]
-        rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
+        t, s = query.shape[1], k.shape[1]
+        rows, cols = query_offset + np.arange(t)[:, None], np.arange(s)[None, :]
         band = np.ones((1, t, s), bool)
         if use_causal_mask:
             band &= rows >= cols

@@ -353,6 +353,63 @@ def _qwen3_5():
     return models.Qwen3_5CausalLM(backbone, preprocessor=None)
 
 
+def _gemma3n():
+    """Gemma 3n, text only: a local layer (window 3), then two global ones, the last
+    KV-shared (it attends over the second layer's keys and values); AltUp, LAuReL and
+    per-layer inputs as small as they go."""
+    backbone = models.Gemma3nBackbone(
+        text_vocab_size=VOCAB,
+        text_hidden_size=8,
+        num_hidden_layers=3,
+        pad_token_id=0,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        intermediate_size=[8, 8, 8],
+        hidden_activation="gelu_approximate",
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        sliding_window=3,
+        rope_theta=1e6,
+        max_position_embeddings=32,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=2,
+        altup_num_inputs=2,
+        laurel_rank=2,
+        num_kv_shared_layers=1,
+    )
+    return models.Gemma3nCausalLM(backbone=backbone, preprocessor=None)
+
+
+def _gemma4():
+    """Gemma 4, text only: a local layer (window 3), then two global ones with their
+    own head size (8), one key/value head whose values are the key projection's
+    (`attention_k_eq_v`) and partial RoPE (half the head); the last KV-shared."""
+    backbone = models.Gemma4Backbone(
+        vocabulary_size=VOCAB,
+        image_size=16,
+        num_layers=3,
+        num_query_heads=2,
+        num_key_value_heads=2,
+        hidden_dim=8,
+        intermediate_dim=8,
+        head_dim=4,
+        sliding_window_size=3,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        global_head_dim=8,
+        num_global_key_value_heads=1,
+        global_rope_partial_rotary_factor=0.5,
+        num_kv_shared_layers=1,
+        vision_encoder=None,
+    )
+    return models.Gemma4CausalLM(backbone=backbone, preprocessor=None)
+
+
+def _gemma4_inputs(token_ids, padding_mask):
+    """Gemma 4's backbone also takes `position_ids` (its forward pass, not `generate()`)."""
+    positions = np.tile(np.arange(token_ids.shape[1], dtype="int32"), (token_ids.shape[0], 1))
+    return {"token_ids": token_ids, "padding_mask": padding_mask, "position_ids": positions}
+
+
 def _masked_lm_inputs(token_ids, padding_mask, segments=False):
     """A masked LM's inputs, every position predicted (its logits `(B, LENGTH,
     VOCAB)`); id 0 is padding."""
@@ -487,6 +544,14 @@ ZOO = {
     # keras-hub 0.32's Gemma3CausalLM.generate without a preprocessor fails on its own
     # output ("images": None) unless the prompt is stripped.
     "gemma3": Case(_gemma3, lora_shapes_differ=_GEMMA_LORA, generate_kwargs={"strip_prompt": True}),
+    "gemma3n": Case(
+        _gemma3n,
+        lora_layer_names=("q_proj", "v_proj", "query", "value"),
+        lora_shapes_differ="Gemma 3n's query and value projections are `Dense` layers, "
+        "whose LoRA factors are `(dim, r) x (r, N * H)`; ours are `EinsumDense` layers, "
+        "`(dim, N, r) x (r, H)`.",
+    ),
+    "gemma4": Case(_gemma4, _gemma4_inputs, lora_shapes_differ=_GEMMA_LORA),
     "gpt_oss": Case(_gpt_oss),
     "falcon": Case(_falcon),
     "bloom": Case(_bloom),
@@ -532,8 +597,41 @@ def _inputs(name="llama", seed=0, prompt=None):
     return ZOO[name].inputs(*_tokens(seed, prompt))
 
 
+def _gemma3n_logits(task, inputs):
+    """keras-hub 0.32's `Gemma3nCausalLM` builds its functional graph with the output
+    embedding read at construction (`token_embedding(..., reverse=True)` on a
+    variable's value, a constant of the graph): `task(inputs)` keeps the embedding the
+    task was built with, whatever its weights are now (set, trained, loaded), and a
+    rebuilt task (`from_config`, `load_model`, `swap`) has another. These are the
+    logits of its current weights, as its cached decoding (`call_with_cache`)
+    computes them."""
+    backbone = task.backbone
+    return backbone.language_model.token_embedding(backbone(inputs), reverse=True)
+
+
+# Tasks whose `task(inputs)` are not the logits of their weights: what the checks run.
+FORWARD = {"Gemma3nCausalLM": _gemma3n_logits}
+
+
+class _Forward(keras.Model):
+    """A task trained through its `FORWARD` function."""
+
+    def __init__(self, task, logits_of):
+        super().__init__()
+        self.task, self.logits_of = task, logits_of  # not `forward`: torch's Module method
+
+    def call(self, inputs):
+        return self.logits_of(self.task, inputs)
+
+
+def _trainer(task):
+    forward = FORWARD.get(type(task).__name__)
+    return task if forward is None else _Forward(task, forward)
+
+
 def _logits(model, inputs):
-    return to_numpy(model(inputs))
+    forward = FORWARD.get(type(model).__name__)
+    return to_numpy(model(inputs) if forward is None else forward(model, inputs))
 
 
 def _pair(name, seed=0):
@@ -613,13 +711,14 @@ def test_training_gives_the_same_losses_over_several_steps(pair):
     losses = []
     for lm in (model, swapped):
         weights = lm.get_weights()
-        lm.compile(
+        trainer = _trainer(lm)
+        trainer.compile(
             optimizer=keras.optimizers.SGD(0.1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             run_eagerly=RUN_EAGERLY,
         )
         losses.append(
-            [lm.train_on_batch(inputs, labels, sample_weight=padding_mask) for _ in range(3)]
+            [trainer.train_on_batch(inputs, labels, sample_weight=padding_mask) for _ in range(3)]
         )
         lm.set_weights(weights)
     assert losses[0][-1] < losses[0][0]  # it trained
@@ -1162,3 +1261,52 @@ def test_decoder_blocks_pass_their_masks_described(pair):
         )
         assert isinstance(mask, hub.common.DecoderMask)
         np.testing.assert_array_equal(to_numpy(mask.padding_mask), inputs["padding_mask"])
+
+
+def test_gemma4_options_per_layer_kind():
+    """Local layers: separate projections, full RoPE; `attention_k_eq_v` global layers:
+    tied key/value with their own key/value heads and proportional partial RoPE (keras-
+    hub's `rotary_dim`: `int(factor * head_dim)`, even, at least 2); KV-shared layers: no
+    key/value projection."""
+    gemma4 = "gemma4.gemma4_attention.Gemma4TextAttention"
+    common = dict(head_dim=8, num_query_heads=2, num_key_value_heads=2)
+    local = _options(gemma4, **common, use_sliding_window_attention=True, attention_k_eq_v=True)
+    assert local["key_value_projection"] == "separate"  # K = V only on global layers
+    assert (local["rope_dim"], local["num_key_value_heads"], local["scale"]) == (None, 2, 1.0)
+    tied = dict(common, attention_k_eq_v=True, num_global_key_value_heads=1)
+    glob = _options(gemma4, **tied, rope_partial_rotary_factor=0.3)
+    assert glob["key_value_projection"] == "tied" and glob["num_key_value_heads"] == 1
+    assert (glob["rope_dim"], glob["rope_dim_layout"]) == (2, "proportional")  # int(2.4) = 2
+    shared = _options(gemma4, **tied, is_kv_shared_layer=True)
+    assert shared["key_value_projection"] == "none"
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_gemma4_mask_sliding_window_is_keras_hubs(bidirectional):
+    """Gemma 4's decoder block windows its dense mask through its attention's
+    `_mask_sliding_window`: the swapped layer's gives keras-hub's, at a cache offset."""
+    from keras_hub.src.models.gemma4.gemma4_attention import Gemma4TextAttention
+
+    kwargs = dict(
+        head_dim=4,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window_attention=True,
+        sliding_window_size=3,
+        use_bidirectional_attention=bidirectional,
+    )
+    theirs = Gemma4TextAttention(**kwargs)
+    hub.patch()
+    try:
+        ours = Gemma4TextAttention(**kwargs)
+    finally:
+        hub.unpatch()
+    assert isinstance(ours, hub.HubAttention)
+    rng = np.random.default_rng(0)
+    cases = [(6, 6, 0)] if bidirectional else [(6, 6, 0), (2, 8, 3), (1, 8, 7)]
+    for queries, keys, index in cases:
+        mask = rng.random((2, queries, keys)) < 0.8
+        expected = to_numpy(theirs._mask_sliding_window(mask, cache_update_index=index))
+        got = to_numpy(ours._mask_sliding_window(mask, cache_update_index=index))
+        np.testing.assert_array_equal(got, expected)
+        assert not got.all()

@@ -110,6 +110,9 @@ class HubAttention(keras.layers.Layer):
             # Built from a list of shapes, the hidden states' first (SmolLM3).
             input_shape = input_shape[0]
         input_shape = tuple(input_shape)
+        if len(input_shape) == 2:
+            # Built from `(B, dim)` (Gemma 3n's decoder drops a dimension): a sequence.
+            input_shape = (None, None, input_shape[-1])
         value_shape = input_shape
         if self.entry.value_shape is not None:
             value_shape = tuple(self.entry.value_shape(self.config, shapes))

@@ -1,5 +1,6 @@
-"""Gemma 1 and 2 (`CachedGemmaAttention`), Gemma 3 (`CachedGemma3Attention`); Gemma 3n
-and Gemma 4, and the vision and audio towers of the multimodal Gemmas, out of scope.
+"""Gemma 1 and 2 (`CachedGemmaAttention`), Gemma 3 (`CachedGemma3Attention`); the vision
+and audio towers of the multimodal Gemmas out of scope (Gemma 3n's and Gemma 4's text
+attention: `gemma3n.py`, `gemma4.py`).
 
 Gemma's query, key and value kernels are `(N, dim, H)` (`"btd,ndh->btnh"`); ours are
 `(dim, N, H)`: they are transposed when ported. Gemma's RoPE interleaves the rotated
@@ -139,21 +140,6 @@ ADAPTERS = {
 
 _MODELS = "keras_hub.src.models."
 OUT_OF_SCOPE = {
-    # Language models not moved yet.
-    _MODELS + "gemma3n.gemma3n_attention.Gemma3nTextAttention": (
-        "not moved yet: its KV-shared layers attend over another layer's keys and values "
-        "(a `(B, 2, Nkv, S, H)` head-major cache, also built on the uncached training path "
-        "and returned as a third output beside the attention weights) without computing "
-        "their own; our layer has no input for another layer's keys and values (a read-only "
-        "cache at `cache_update_index`, expressible only as `cache_update_mask` all false)"
-    ),
-    _MODELS + "gemma4.gemma4_attention.Gemma4TextAttention": (
-        "not moved yet: `attention_k_eq_v` global layers take the values from the key "
-        "projection (one kernel, normed without RoPE) and our layer has no tied key/value "
-        "projection; KV-shared layers read a `shared_kv` argument (another layer's keys and "
-        "values) while returning their own cache slot unchanged, which our layer has no "
-        "input for"
-    ),
     # Towers of multimodal models: not language-model attention.
     _MODELS + "gemma3.gemma3_vision_encoder.Gemma3VisionAttention": (
         "the SigLIP vision tower of a multimodal Gemma 3 (CLIP-style attention over image "

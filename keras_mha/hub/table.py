@@ -17,6 +17,8 @@ FAMILIES = (
     "smollm3",
     "phi3",
     "gemma",
+    "gemma3n",
+    "gemma4",
     "gpt_oss",
     "t5gemma",
     "falcon",
