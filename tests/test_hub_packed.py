@@ -7,31 +7,78 @@ import functools
 import warnings
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 from helpers import to_numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_hub import RUN_EAGERLY, VOCAB, ZOO, _randomize
+from test_hub import RUN_EAGERLY, TINY, VOCAB, WINDOW, ZOO, _randomize
 
 import keras_mha
 from keras_mha import hub, packing
 
 ROW = 16  # tokens per packed row
 # Causal language models whose attention our layer runs with RoPE (positions restart
-# at each document) and whose decoder blocks describe their masks (GPT-OSS: sinks,
-# a window on alternate layers, MoE).
-PACKED = ["llama", "gpt_oss"]
+# at each document) and whose decoder blocks describe their masks. GPT-OSS: sinks, a
+# window on alternate layers, MoE. Gemma 3: five local layers (window 3, shorter than
+# most documents) and a global one, the fewest keras-hub's fixed 5:1 pattern allows;
+# Gemma 2: soft-caps and a window on the first of two layers; Qwen-MoE and Qwen3-MoE:
+# a window and MoE (routing per token).
+PACKED = ["llama", "gpt_oss", "gemma3"]
+# The other families whose blocks describe their masks, checked on fewer examples (the
+# test's time): Gemma 1, Gemma 2 (soft-caps, a window on the first of two layers),
+# SmolLM3, Qwen-MoE and Qwen3-MoE (a window, MoE routing per token).
+ALSO_PACKED = ["gemma", "gemma2", "smollm3", "qwen_moe", "qwen3_moe"]
+
+
+def _qwen_moe():
+    """Qwen-MoE without its router's load-balancing loss: that loss is a statistic of
+    the whole batch's routing (how many tokens each expert gets), not of a document,
+    so packing other documents beside one changes it by design."""
+    backbone = keras_hub.models.QwenMoeBackbone(
+        **TINY,
+        moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=8,
+        num_experts=2,
+        top_k=1,
+        use_sliding_window_attention=True,
+        sliding_window_size=WINDOW,
+        router_aux_loss_coefficient=0.0,
+    )
+    return keras_hub.models.QwenMoeCausalLM(backbone, preprocessor=None)
+
+
+def _qwen3_moe():
+    """Qwen3-MoE without its router's load-balancing loss (as `_qwen_moe`)."""
+    backbone = keras_hub.models.Qwen3MoeBackbone(
+        **TINY,
+        head_dim=6,
+        moe_intermediate_dim=8,
+        num_experts=2,
+        top_k=1,
+        sliding_window_size=WINDOW,
+        router_aux_loss_coefficient=0.0,
+    )
+    return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
+
+
+_BUILD = {"qwen_moe": _qwen_moe, "qwen3_moe": _qwen3_moe}
 
 
 @functools.cache
 def _models(name):
     keras.utils.set_random_seed(0)
-    model = ZOO[name].build()
+    model = _BUILD.get(name, ZOO[name].build)()
     _randomize(model, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         swapped = keras_mha.swap(model)
+    if name == "qwen_moe":
+        # keras-hub 0.32's `QwenMoeBackbone.get_config` drops `router_aux_loss_coefficient`,
+        # so the swapped model (rebuilt from its config) has the default, 0.001, back.
+        for block in swapped.backbone.transformer_layers:
+            block.mlp.router_aux_loss_coefficient = 0.0
     hub.set_packed(swapped)
     return model, swapped
 
@@ -51,10 +98,24 @@ def _step_delta(lm, inputs, targets, weights):
     return [a - b for a, b in zip(after, before)]
 
 
+_LENGTHS = st.lists(st.integers(2, 8), min_size=2, max_size=4)
+
+
 @pytest.mark.parametrize("name", PACKED)
 @settings(max_examples=3, deadline=None, derandomize=True)
-@given(lengths=st.lists(st.integers(2, 8), min_size=2, max_size=4))
+@given(lengths=_LENGTHS)
 def test_a_document_gets_its_own_logits_and_gradients_packed(name, lengths):
+    _check_packed(name, lengths)
+
+
+@pytest.mark.parametrize("name", ALSO_PACKED)
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(lengths=_LENGTHS)
+def test_the_other_families_pack_too(name, lengths):
+    _check_packed(name, lengths)
+
+
+def _check_packed(name, lengths):
     model, swapped = _models(name)
     rng = np.random.default_rng(len(lengths))
     documents = [rng.integers(1, VOCAB, n) for n in lengths]
