@@ -156,3 +156,18 @@ def test_set_packed_rejects_a_model_it_cannot_pack():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="argument `model`"):
         hub.set_packed(model)
+
+
+def test_a_packed_gemma3_refuses_a_vision_mask():
+    """Gemma 3's images attend to each other both ways, which its block only gives as
+    keras-hub's dense mask: a packed model given a vision mask says so, naming
+    `padding_mask`, instead of reading document ids as a padding mask."""
+    _, swapped = _models("gemma3")
+    block = swapped.backbone.transformer_layers[0]
+    x = keras.ops.ones((1, ROW, 16))
+    ids = np.repeat([[1, 2]], ROW // 2, axis=1)
+    mask = block._compute_attention_mask(x, ids, None, None, 0)
+    assert isinstance(mask, hub.common.DecoderMask)
+    np.testing.assert_array_equal(to_numpy(mask.segment_ids), ids)
+    with pytest.raises(ValueError, match="argument `padding_mask`"):
+        block._compute_attention_mask(x, ids, np.ones_like(ids), None, 0)

@@ -125,10 +125,10 @@ def _described(spec, layer, packed, *args, **kwargs):
         return mask
     if not isinstance(mask, common.DecoderMask):
         raise ValueError(
-            "Received an invalid value for argument `padding_mask`, expected a mask "
-            f"that decoder block {layer.name} can read as document ids (packed rows), "
-            "but this call's mask cannot be described (images, or bidirectional "
-            "attention). Received: packed rows"
+            "Received an invalid value for argument `padding_mask`, expected document "
+            f"ids that decoder block {layer.name} can apply (packed rows), but its mask "
+            "for this call can only be keras-hub's dense one (a `vision_mask` given, or "
+            "bidirectional attention). Received: padding_mask=<document ids>"
         )
     return mask.packed()
 
