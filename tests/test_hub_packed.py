@@ -171,3 +171,39 @@ def test_a_packed_gemma3_refuses_a_vision_mask():
     np.testing.assert_array_equal(to_numpy(mask.segment_ids), ids)
     with pytest.raises(ValueError, match="argument `padding_mask`"):
         block._compute_attention_mask(x, ids, np.ones_like(ids), None, 0)
+
+
+@pytest.mark.parametrize("name", ["qwen_moe", "qwen3_moe"])
+def test_the_moe_router_reads_of_a_described_mask_what_it_reads_of_the_dense_one(name):
+    """The sparse MoE block of Qwen-MoE and Qwen3-MoE reads its decoder's mask only as
+    `ops.any(mask, axis=-1)` (which tokens its load-balancing loss counts): given the
+    described mask, it gets the same `(B, T)` truth values as from keras-hub's dense
+    `(B, T, T)` mask, for padding anywhere in a row (left, right, holes)."""
+    model, swapped = _models(name)
+    own = model.backbone.transformer_layers[0]
+    block = swapped.backbone.transformer_layers[0]
+    padding = np.array([[0, 0, 1, 1, 1, 0], [1, 1, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0]], "int32")
+    x = keras.ops.ones((3, 6, 16))
+    arguments = dict(
+        decoder_sequence=x,
+        decoder_padding_mask=padding,
+        decoder_attention_mask=None,
+        self_attention_cache=None,
+        self_attention_cache_update_index=None,
+    )
+    dense = own._compute_self_attention_mask(**arguments)
+    hub.set_packed(swapped, False)
+    try:
+        described = block._compute_self_attention_mask(**arguments)
+    finally:
+        hub.set_packed(swapped)
+    assert isinstance(described, hub.common.DecoderMask)
+    reduced = hub.common.queries_seeing_a_key(described, x)
+    assert tuple(reduced.shape) == (3, 6, 1)
+    np.testing.assert_array_equal(
+        to_numpy(reduced)[..., 0], to_numpy(keras.ops.any(dense, axis=-1))
+    )
+    # Packed, the padding mask holds document ids: a token counts when it is in one.
+    packed = block._compute_self_attention_mask(**arguments)
+    reduced = hub.common.queries_seeing_a_key(packed, x)
+    np.testing.assert_array_equal(to_numpy(reduced)[..., 0], padding != 0)
