@@ -15,10 +15,10 @@ class DecoderMask:
     keras-hub's decoder blocks merge the padding mask, a user's attention mask and the
     causal mask (at the cache's offset) into one dense `(B, T, S)` tensor before their
     attention (`_compute_self_attention_mask`; Gemma's `_compute_attention_mask`). In a
-    swapped model (`describe_masks`)
-    the block returns this instead, and our layer gets the parts: the keys' padding
-    `(B, S)`, the user's mask, and causality, which it places at `cache_update_index`
-    itself. The kernels then skip the blocks causality or padding hides.
+    swapped model (`describe_masks`) the block returns this instead, and our layer gets
+    the parts: the keys' padding `(B, S)`, the user's mask, and causality, which it
+    places at `cache_update_index` itself. The kernels then skip the blocks causality or
+    padding hides.
     """
 
     padding_mask: object = None
