@@ -149,7 +149,10 @@ def _check_packed(name, lengths):
     )
     assert max(np.abs(d).max() for d in alone_delta) > 1e-6
     for ours, theirs in zip(packed_delta, alone_delta):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-4)
+        # float32 sums in another order: an error relative to the largest entry (Gemma
+        # 3's six layers of random weights give gradients up to ~10).
+        scale = max(1.0, float(np.abs(theirs).max()))
+        np.testing.assert_allclose(ours, theirs, atol=1e-5 * scale, rtol=1e-4)
 
 
 def test_set_packed_rejects_a_model_it_cannot_pack():
