@@ -153,7 +153,9 @@ plt.show()
 # attention onto our layer, `hub.set_packed` makes its blocks read `padding_mask` as the
 # segment ids: attention stays inside each document and RoPE positions restart at 0 at
 # each. `packing_text.fit_arrays` gives `fit` the inputs, the targets and the loss mask
-# as sample weights.
+# as sample weights. The same works for Mistral, Mixtral, Qwen 2/3 and their MoE, Phi-3,
+# GPT-OSS, Gemma 1 to 3 (text) and SmolLM3; the keras-hub guide's table names the
+# families that do not take packed rows, and why.
 
 # %%
 backbone = keras_hub.models.LlamaBackbone(

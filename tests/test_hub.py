@@ -1235,30 +1235,51 @@ def test_every_keras_hub_attention_class_is_moved_or_out_of_scope():
     assert all(reason for reason in hub.OUT_OF_SCOPE.values())
 
 
+def _mask_spec(block):
+    """The described-mask spec of the entry of `block`'s attention, when it applies."""
+    for child in block._flatten_layers(include_self=False, recursive=False):
+        if isinstance(child, hub.HubAttention) and child.entry.decoder_mask is not None:
+            spec = child.entry.decoder_mask
+            if not isinstance(spec, hub.common.DescribedDecoder):
+                spec = hub.common.DescribedDecoder(spec)
+            return spec if spec.applies_to(block) else None
+    return None
+
+
+def _block_mask(block, method, sequence, padding_mask, **overrides):
+    """`block`'s mask method called with keras-hub's arguments for it, by name (Llama's
+    `decoder_sequence, ...`, Gemma's `x, padding_mask, ...`), no cache."""
+    arguments = {
+        **dict(
+            decoder_sequence=sequence,
+            decoder_padding_mask=padding_mask,
+            decoder_attention_mask=None,
+            self_attention_cache=None,
+            self_attention_cache_update_index=None,
+            x=sequence,
+            padding_mask=padding_mask,
+            vision_mask=None,
+            cache=None,
+            cache_update_index=0,
+        ),
+        **overrides,
+    }
+    names = inspect.signature(getattr(type(block), method)).parameters
+    return getattr(block, method)(**{k: v for k, v in arguments.items() if k in names})
+
+
 def test_decoder_blocks_pass_their_masks_described(pair):
     """In a swapped model, a decoder block whose entry describes its mask hands our
     layer the padding mask and causality, not keras-hub's dense `(B, T, S)` mask."""
     _, _, swapped = pair
-    blocks = [
-        layer
-        for layer in swapped._flatten_layers()
-        if any(
-            isinstance(child, hub.HubAttention) and child.entry.decoder_mask is not None
-            for child in layer._flatten_layers(include_self=False, recursive=False)
-        )
-    ]
+    blocks = [(layer, _mask_spec(layer)) for layer in swapped._flatten_layers()]
+    blocks = [(block, spec) for block, spec in blocks if spec is not None]
     if not blocks:
         pytest.skip("this model's entry passes keras-hub's dense mask")
     inputs = _inputs()
     sequence = keras.ops.ones((BATCH, LENGTH, 16))
-    for block in blocks:
-        mask = block._compute_self_attention_mask(
-            decoder_sequence=sequence,
-            decoder_padding_mask=inputs["padding_mask"],
-            decoder_attention_mask=None,
-            self_attention_cache=None,
-            self_attention_cache_update_index=None,
-        )
+    for block, spec in blocks:
+        mask = _block_mask(block, spec.method, sequence, inputs["padding_mask"])
         assert isinstance(mask, hub.common.DecoderMask)
         np.testing.assert_array_equal(to_numpy(mask.padding_mask), inputs["padding_mask"])
 
@@ -1310,3 +1331,50 @@ def test_gemma4_mask_sliding_window_is_keras_hubs(bidirectional):
         got = to_numpy(ours._mask_sliding_window(mask, cache_update_index=index))
         np.testing.assert_array_equal(got, expected)
         assert not got.all()
+
+
+def _attention_masks(swapped):
+    """Records the `attention_mask` each `HubAttention` of `swapped` is called with
+    (its type), in a list returned."""
+    seen = []
+    for _, layer in swapping.attention_layers(swapped):
+        call = layer.entry.call
+
+        def spy(attention, *args, _call=call, **kwargs):
+            seen.append(type(kwargs.get("attention_mask")))
+            return _call(attention, *args, **kwargs)
+
+        layer.entry = dataclasses.replace(layer.entry, call=spy)
+    return seen
+
+
+def test_gemma3_blocks_pass_their_masks_described():
+    """The swapped Gemma 3's decoder blocks (local and global) give our layer a
+    `DecoderMask` in a forward pass and in cached `generate()`, and its logits stay
+    keras-hub's; with a vision mask (images attend both ways) keras-hub's dense mask."""
+    model, swapped = _pair("gemma3")
+    assert hub.describe_masks(swapped) == 6
+    seen = _attention_masks(swapped)
+    inputs = _inputs("gemma3")
+    np.testing.assert_allclose(_logits(swapped, inputs), _logits(model, inputs), atol=ATOL)
+    assert seen and set(seen) == {hub.common.DecoderMask}, seen
+    seen.clear()
+    token_ids, padding_mask = _tokens(prompt=3)
+    swapped.generate(
+        {"token_ids": token_ids, "padding_mask": padding_mask},
+        stop_token_ids=None,
+        strip_prompt=True,
+    )
+    assert seen and set(seen) == {hub.common.DecoderMask}, seen
+    block = swapped.backbone.transformer_layers[0]
+    sequence = keras.ops.ones((BATCH, LENGTH, 16))
+    vision = np.zeros((BATCH, LENGTH), "int32")
+    vision[:, 2:5] = 1
+    dense = _block_mask(
+        block, "_compute_attention_mask", sequence, inputs["padding_mask"], vision_mask=vision
+    )
+    assert not isinstance(dense, hub.common.DecoderMask)
+    expected = type(block)._compute_attention_mask(
+        block, sequence, inputs["padding_mask"], vision, None, 0
+    )
+    np.testing.assert_array_equal(to_numpy(dense), to_numpy(expected))

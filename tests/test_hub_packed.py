@@ -7,31 +7,78 @@ import functools
 import warnings
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 from helpers import to_numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_hub import RUN_EAGERLY, VOCAB, ZOO, _randomize
+from test_hub import RUN_EAGERLY, TINY, VOCAB, WINDOW, ZOO, _randomize
 
 import keras_mha
 from keras_mha import hub, packing
 
 ROW = 16  # tokens per packed row
 # Causal language models whose attention our layer runs with RoPE (positions restart
-# at each document) and whose decoder blocks describe their masks (GPT-OSS: sinks,
-# a window on alternate layers, MoE).
-PACKED = ["llama", "gpt_oss"]
+# at each document) and whose decoder blocks describe their masks. GPT-OSS: sinks, a
+# window on alternate layers, MoE. Gemma 3: five local layers (window 3, shorter than
+# most documents) and a global one, the fewest keras-hub's fixed 5:1 pattern allows;
+# Gemma 2: soft-caps and a window on the first of two layers; Qwen-MoE and Qwen3-MoE:
+# a window and MoE (routing per token).
+PACKED = ["llama", "gpt_oss", "gemma3"]
+# The other families whose blocks describe their masks, checked on fewer examples (the
+# test's time): Gemma 1, Gemma 2 (soft-caps, a window on the first of two layers),
+# SmolLM3, Qwen-MoE and Qwen3-MoE (a window, MoE routing per token).
+ALSO_PACKED = ["gemma", "gemma2", "smollm3", "qwen_moe", "qwen3_moe"]
+
+
+def _qwen_moe():
+    """Qwen-MoE without its router's load-balancing loss: that loss is a statistic of
+    the whole batch's routing (how many tokens each expert gets), not of a document,
+    so packing other documents beside one changes it by design."""
+    backbone = keras_hub.models.QwenMoeBackbone(
+        **TINY,
+        moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=8,
+        num_experts=2,
+        top_k=1,
+        use_sliding_window_attention=True,
+        sliding_window_size=WINDOW,
+        router_aux_loss_coefficient=0.0,
+    )
+    return keras_hub.models.QwenMoeCausalLM(backbone, preprocessor=None)
+
+
+def _qwen3_moe():
+    """Qwen3-MoE without its router's load-balancing loss (as `_qwen_moe`)."""
+    backbone = keras_hub.models.Qwen3MoeBackbone(
+        **TINY,
+        head_dim=6,
+        moe_intermediate_dim=8,
+        num_experts=2,
+        top_k=1,
+        sliding_window_size=WINDOW,
+        router_aux_loss_coefficient=0.0,
+    )
+    return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
+
+
+_BUILD = {"qwen_moe": _qwen_moe, "qwen3_moe": _qwen3_moe}
 
 
 @functools.cache
 def _models(name):
     keras.utils.set_random_seed(0)
-    model = ZOO[name].build()
+    model = _BUILD.get(name, ZOO[name].build)()
     _randomize(model, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         swapped = keras_mha.swap(model)
+    if name == "qwen_moe":
+        # keras-hub 0.32's `QwenMoeBackbone.get_config` drops `router_aux_loss_coefficient`,
+        # so the swapped model (rebuilt from its config) has the default, 0.001, back.
+        for block in swapped.backbone.transformer_layers:
+            block.mlp.router_aux_loss_coefficient = 0.0
     hub.set_packed(swapped)
     return model, swapped
 
@@ -51,10 +98,24 @@ def _step_delta(lm, inputs, targets, weights):
     return [a - b for a, b in zip(after, before)]
 
 
+_LENGTHS = st.lists(st.integers(2, 8), min_size=2, max_size=4)
+
+
 @pytest.mark.parametrize("name", PACKED)
 @settings(max_examples=3, deadline=None, derandomize=True)
-@given(lengths=st.lists(st.integers(2, 8), min_size=2, max_size=4))
+@given(lengths=_LENGTHS)
 def test_a_document_gets_its_own_logits_and_gradients_packed(name, lengths):
+    _check_packed(name, lengths)
+
+
+@pytest.mark.parametrize("name", ALSO_PACKED)
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(lengths=_LENGTHS)
+def test_the_other_families_pack_too(name, lengths):
+    _check_packed(name, lengths)
+
+
+def _check_packed(name, lengths):
     model, swapped = _models(name)
     rng = np.random.default_rng(len(lengths))
     documents = [rng.integers(1, VOCAB, n) for n in lengths]
@@ -88,10 +149,64 @@ def test_a_document_gets_its_own_logits_and_gradients_packed(name, lengths):
     )
     assert max(np.abs(d).max() for d in alone_delta) > 1e-6
     for ours, theirs in zip(packed_delta, alone_delta):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-4)
+        # float32 sums in another order: an error relative to the largest entry (Gemma
+        # 3's six layers of random weights give gradients up to ~10).
+        scale = max(1.0, float(np.abs(theirs).max()))
+        np.testing.assert_allclose(ours, theirs, atol=1e-5 * scale, rtol=1e-4)
 
 
 def test_set_packed_rejects_a_model_it_cannot_pack():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="argument `model`"):
         hub.set_packed(model)
+
+
+def test_a_packed_gemma3_refuses_a_vision_mask():
+    """Gemma 3's images attend to each other both ways, which its block only gives as
+    keras-hub's dense mask: a packed model given a vision mask says so, naming
+    `padding_mask`, instead of reading document ids as a padding mask."""
+    _, swapped = _models("gemma3")
+    block = swapped.backbone.transformer_layers[0]
+    x = keras.ops.ones((1, ROW, 16))
+    ids = np.repeat([[1, 2]], ROW // 2, axis=1)
+    mask = block._compute_attention_mask(x, ids, None, None, 0)
+    assert isinstance(mask, hub.common.DecoderMask)
+    np.testing.assert_array_equal(to_numpy(mask.segment_ids), ids)
+    with pytest.raises(ValueError, match="argument `padding_mask`"):
+        block._compute_attention_mask(x, ids, np.ones_like(ids), None, 0)
+
+
+@pytest.mark.parametrize("name", ["qwen_moe", "qwen3_moe"])
+def test_the_moe_router_reads_of_a_described_mask_what_it_reads_of_the_dense_one(name):
+    """The sparse MoE block of Qwen-MoE and Qwen3-MoE reads its decoder's mask only as
+    `ops.any(mask, axis=-1)` (which tokens its load-balancing loss counts): given the
+    described mask, it gets the same `(B, T)` truth values as from keras-hub's dense
+    `(B, T, T)` mask, for padding anywhere in a row (left, right, holes)."""
+    model, swapped = _models(name)
+    own = model.backbone.transformer_layers[0]
+    block = swapped.backbone.transformer_layers[0]
+    padding = np.array([[0, 0, 1, 1, 1, 0], [1, 1, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0]], "int32")
+    x = keras.ops.ones((3, 6, 16))
+    arguments = dict(
+        decoder_sequence=x,
+        decoder_padding_mask=padding,
+        decoder_attention_mask=None,
+        self_attention_cache=None,
+        self_attention_cache_update_index=None,
+    )
+    dense = own._compute_self_attention_mask(**arguments)
+    hub.set_packed(swapped, False)
+    try:
+        described = block._compute_self_attention_mask(**arguments)
+    finally:
+        hub.set_packed(swapped)
+    assert isinstance(described, hub.common.DecoderMask)
+    reduced = hub.common.queries_seeing_a_key(described, x)
+    assert tuple(reduced.shape) == (3, 6, 1)
+    np.testing.assert_array_equal(
+        to_numpy(reduced)[..., 0], to_numpy(keras.ops.any(dense, axis=-1))
+    )
+    # Packed, the padding mask holds document ids: a token counts when it is in one.
+    packed = block._compute_self_attention_mask(**arguments)
+    reduced = hub.common.queries_seeing_a_key(packed, x)
+    np.testing.assert_array_equal(to_numpy(reduced)[..., 0], padding != 0)

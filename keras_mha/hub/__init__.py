@@ -88,33 +88,57 @@ def _constructor(hub_cls, key):
     return new
 
 
-# The decoder method an entry's `decoder_mask` replaces.
-_DECODER_MASK_METHOD = "_compute_self_attention_mask"
-
-
 def describe_masks(model, packed=False):
     """Makes each decoder block of `model` that holds a `HubAttention` whose entry has
     a `decoder_mask` pass its self-attention mask described (`common.DecoderMask`):
-    the block's own `_compute_self_attention_mask` is replaced on that instance only.
-    With `packed`, the blocks read the model's `padding_mask` as document ids (see
-    `set_packed`). Returns the number of blocks changed."""
+    the block's own mask method (`_compute_self_attention_mask`, or the one the entry's
+    `common.DescribedDecoder` names) is replaced on that instance only, and so is the
+    `call` of any sublayer that reads the mask too (a MoE router's load-balancing
+    loss). With `packed`, the blocks read the model's `padding_mask` as document ids
+    (see `set_packed`). Returns the number of blocks changed."""
     changed = 0
     for layer in model._flatten_layers(include_self=True, recursive=True):
-        if not hasattr(layer, _DECODER_MASK_METHOD):
-            continue
         children = layer._flatten_layers(include_self=False, recursive=False)
         entries = {c.entry for c in children if isinstance(c, HubAttention)}
         describe = {e.decoder_mask for e in entries}
-        if len(describe) == 1 and None not in describe:
-            method = functools.partial(_described, describe.pop(), layer, packed)
-            object.__setattr__(layer, _DECODER_MASK_METHOD, method)
-            changed += 1
+        if len(describe) != 1 or None in describe:
+            continue
+        spec = describe.pop()
+        if not isinstance(spec, common.DescribedDecoder):
+            spec = common.DescribedDecoder(spec)
+        if not spec.applies_to(layer):
+            continue
+        method = functools.partial(_described, spec, layer, packed)
+        object.__setattr__(layer, spec.method, method)
+        for name, reduce in spec.sublayers:
+            sublayer = getattr(layer, name, None)
+            if sublayer is not None and "attention_mask" in sublayer._call_signature.parameters:
+                own = type(sublayer).call.__get__(sublayer)  # never wraps a wrapper
+                object.__setattr__(sublayer, "call", functools.partial(_reduced, own, reduce))
+        changed += 1
     return changed
 
 
-def _described(decoder_mask, layer, packed, *args, **kwargs):
-    mask = decoder_mask(layer, *args, **kwargs)
-    return mask.packed() if packed else mask
+def _described(spec, layer, packed, *args, **kwargs):
+    mask = spec(layer, *args, **kwargs)
+    if not packed:
+        return mask
+    if not isinstance(mask, common.DecoderMask):
+        raise ValueError(
+            "Received an invalid value for argument `padding_mask`, expected document "
+            f"ids that decoder block {layer.name} can apply (packed rows), but its mask "
+            "for this call can only be keras-hub's dense one (a `vision_mask` given, or "
+            "bidirectional attention). Received: padding_mask=<document ids>"
+        )
+    return mask.packed()
+
+
+def _reduced(call, reduce, *args, **kwargs):
+    """A sublayer's `call` given what it reads of a described mask."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, common.DecoderMask):
+        kwargs["attention_mask"] = reduce(mask, args[0] if args else kwargs.get("hidden_states"))
+    return call(*args, **kwargs)
 
 
 def set_packed(model, packed=True):

@@ -3,6 +3,8 @@ call protocol and its masks described, initializers cloned as keras-hub clones t
 
 import dataclasses
 
+from keras import ops
+
 from keras_mha import masks as masks_lib
 
 
@@ -12,10 +14,11 @@ class DecoderMask:
 
     keras-hub's decoder blocks merge the padding mask, a user's attention mask and the
     causal mask (at the cache's offset) into one dense `(B, T, S)` tensor before their
-    attention (`_compute_self_attention_mask`). In a swapped model (`describe_masks`)
-    the block returns this instead, and our layer gets the parts: the keys' padding
-    `(B, S)`, the user's mask, and causality, which it places at `cache_update_index`
-    itself. The kernels then skip the blocks causality or padding hides.
+    attention (`_compute_self_attention_mask`; Gemma's `_compute_attention_mask`). In a
+    swapped model (`describe_masks`) the block returns this instead, and our layer gets
+    the parts: the keys' padding `(B, S)`, the user's mask, and causality, which it
+    places at `cache_update_index` itself. The kernels then skip the blocks causality or
+    padding hides.
     """
 
     padding_mask: object = None
@@ -27,6 +30,79 @@ class DecoderMask:
         ids (0 = padding), so attention stays in each document and RoPE positions
         restart at each (`keras_mha.hub.set_packed`)."""
         return DecoderMask(attention_mask=self.attention_mask, segment_ids=self.padding_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class DescribedDecoder:
+    """How a keras-hub decoder block passes its attention a described mask (an
+    `Entry`'s `decoder_mask` where a plain function is not enough).
+
+    Attributes:
+        mask: `(decoder, *arguments) -> mask`: the block's mask method, described: a
+            `DecoderMask`, or keras-hub's dense mask where the block cannot be
+            described (Gemma 3's images).
+        method: The name of the block's mask method it replaces.
+        decoders: `"module.Class"` of the decoder blocks it replaces that method of;
+            empty: any block holding the entry's attention. (PaliGemma's block holds
+            Gemma's attention but computes a prefix mask of its own.)
+        sublayers: `((attribute, reduce), ...)`: sublayers of the block that read its
+            mask too (a router's load-balancing loss), called with `attention_mask`:
+            while the block's mask is described, `reduce(mask, inputs)` gives them what
+            they read instead of the `DecoderMask`.
+    """
+
+    mask: callable
+    method: str = "_compute_self_attention_mask"
+    decoders: tuple = ()
+    sublayers: tuple = ()
+
+    def __call__(self, decoder, *args, **kwargs):
+        return self.mask(decoder, *args, **kwargs)
+
+    def applies_to(self, decoder):
+        """Whether `decoder` is a block whose mask method this replaces."""
+        if not hasattr(decoder, self.method):
+            return False
+        cls = type(decoder)
+        return not self.decoders or f"{cls.__module__}.{cls.__qualname__}" in self.decoders
+
+
+def queries_seeing_a_key(mask, hidden_states):
+    """`(B, T, 1)` boolean: whether each of the `T` queries of `hidden_states` sees a
+    key under `mask` (a `DecoderMask`, causal, no cache): `ops.any(dense, axis=-1,
+    keepdims=True)` of the dense `(B, T, T)` mask keras-hub would have built, without
+    building it. Unpacked, a query sees a key when a token precedes it or is it (the
+    padding mask's running maximum); packed, when it is in a document (id not 0)."""
+    batch, length = ops.shape(hidden_states)[0], ops.shape(hidden_states)[1]
+    if mask.attention_mask is not None:  # a user's own mask: keras-hub's reading
+        dense = ops.cast(mask.attention_mask, "bool")
+        causal = ops.tril(ops.ones((length, length), "int32"))
+        dense = ops.logical_and(dense, ops.cast(causal, "bool"))
+        if mask.padding_mask is not None:
+            dense = ops.logical_and(dense, ops.cast(mask.padding_mask, "bool")[:, None, :])
+        if mask.segment_ids is not None:
+            ids = masks_lib.as_int(mask.segment_ids)
+            dense = ops.logical_and(dense, masks_lib.same_segment(ids, ids))
+        return ops.any(dense, axis=-1, keepdims=True)
+    if mask.segment_ids is not None:
+        return ops.not_equal(masks_lib.as_int(mask.segment_ids), 0)[:, :, None]
+    if mask.padding_mask is None:
+        return ops.ones((batch, length, 1), "bool")
+    seen = ops.cumsum(ops.cast(mask.padding_mask, "int32"), axis=-1)
+    return ops.greater(seen, 0)[:, :, None]
+
+
+def mask_arguments(attention_mask):
+    """Our layer's mask arguments for a keras-hub attention's `attention_mask`: the
+    dense mask as it is, or a `DecoderMask`'s parts (causal)."""
+    if isinstance(attention_mask, DecoderMask):
+        return {
+            "key_mask": attention_mask.padding_mask,
+            "attention_mask": attention_mask.attention_mask,
+            "segment_ids": attention_mask.segment_ids,
+            "use_causal_mask": True,
+        }
+    return {"attention_mask": attention_mask}
 
 
 def causal_decoder_mask(
@@ -105,19 +181,11 @@ def self_attention(
     optional `(B, 2, max_length, Nkv, H)` cache and the index of the new positions
     in it, or that mask described (`DecoderMask`, causal); returns the output, or
     `(output, cache)` when a cache is given."""
-    masks = {"attention_mask": attention_mask}
-    if isinstance(attention_mask, DecoderMask):
-        masks = {
-            "key_mask": attention_mask.padding_mask,
-            "attention_mask": attention_mask.attention_mask,
-            "segment_ids": attention_mask.segment_ids,
-            "use_causal_mask": True,
-        }
     return attention(
         hidden_states,
         hidden_states,
         cache=cache,
         cache_update_index=cache_update_index,
         training=training,
-        **masks,
+        **mask_arguments(attention_mask),
     )

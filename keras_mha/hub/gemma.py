@@ -8,6 +8,14 @@ halves of each head (`stack(split(x, 2), -1)`), the same permutation of the quer
 and the key's dimensions, which leaves every logit as it is: ours keeps the halves.
 A query whose keys are all masked gets a zero attention output in keras-hub (it wipes
 it) and with ours (`fully_masked_rows="zero"`).
+
+Their decoder blocks merge padding and causality into a dense mask
+(`_compute_attention_mask`) and the attention class adds the window; in a swapped
+model the blocks pass the padding mask described (`common.DecoderMask`), and our layer
+adds causality and the window itself. Gemma 3's block falls back to keras-hub's dense
+mask where it is given a vision mask (images attend to each other both ways) or its
+attention is bidirectional (EmbeddingGemma); such a model takes no packed rows.
+PaliGemma's block holds Gemma's attention with a prefix mask of its own: it keeps it.
 """
 
 import numpy as np
@@ -75,7 +83,38 @@ def _weights(layer):
     return found
 
 
+def _gemma_decoder_mask(decoder, x, padding_mask, cache=None, cache_update_index=0):
+    """`GemmaDecoderBlock._compute_attention_mask`, described."""
+    return common.causal_decoder_mask(decoder, x, padding_mask)
+
+
+_GEMMA_DECODER = common.DescribedDecoder(
+    _gemma_decoder_mask,
+    method="_compute_attention_mask",
+    decoders=("keras_hub.src.models.gemma.gemma_decoder_block.GemmaDecoderBlock",),
+)
+
+
 # ------------------------------------------------------------------------ Gemma 3
+def _gemma3_decoder_mask(
+    decoder, x, padding_mask, vision_mask=None, cache=None, cache_update_index=0
+):
+    """`Gemma3DecoderBlock._compute_attention_mask`, described; keras-hub's own dense
+    mask where images attend both ways (`vision_mask`) or the attention is
+    bidirectional (EmbeddingGemma)."""
+    if vision_mask is not None or decoder.use_bidirectional_attention:
+        own = type(decoder)._compute_attention_mask
+        return own(decoder, x, padding_mask, vision_mask, cache, cache_update_index)
+    return common.causal_decoder_mask(decoder, x, padding_mask)
+
+
+_GEMMA3_DECODER = common.DescribedDecoder(
+    _gemma3_decoder_mask,
+    method="_compute_attention_mask",
+    decoders=("keras_hub.src.models.gemma3.gemma3_decoder_block.Gemma3DecoderBlock",),
+)
+
+
 def _gemma3_options(config, dim):
     options = _options(config, dim)
     options.update(
@@ -116,7 +155,7 @@ def _gemma3_call(
     output, cache = attention(
         x,
         x,
-        attention_mask=attention_mask,
+        **common.mask_arguments(attention_mask),
         cache=ops.stack(cache, axis=1),
         cache_update_index=cache_update_index,
         cache_update_mask=cache_update_mask,
@@ -127,12 +166,17 @@ def _gemma3_call(
 
 ADAPTERS = {
     "keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention": Entry(
-        options=_options, call=common.self_attention, weights=_weights, notes=NOTES
+        options=_options,
+        call=common.self_attention,
+        weights=_weights,
+        decoder_mask=_GEMMA_DECODER,
+        notes=NOTES,
     ),
     "keras_hub.src.models.gemma3.gemma3_attention.CachedGemma3Attention": Entry(
         options=_gemma3_options,
         call=_gemma3_call,
         weights=_gemma3_weights,
+        decoder_mask=_GEMMA3_DECODER,
         notes=NOTES + ("the `(keys, values)` cache pair is stacked into ours for each call",),
     ),
 }

@@ -103,6 +103,14 @@ def _window_note(where):
     )
 
 
+# Qwen-MoE's and Qwen3-MoE's decoders hand their sparse MoE block the dense mask too:
+# routing ignores it, and only the load-balancing loss (training) reads it, as
+# `ops.any(mask, axis=-1)`, which tokens count. The block gets that, `(B, T, 1)`.
+_MOE_DECODER = common.DescribedDecoder(
+    common.causal_decoder_mask,
+    sublayers=(("mlp", common.queries_seeing_a_key),),
+)
+
 _NOTE = _window_note("TensorFlow, or no fused op")
 ADAPTERS = {
     "keras_hub.src.models.qwen.qwen_attention.QwenAttention": Entry(
@@ -115,7 +123,7 @@ ADAPTERS = {
     "keras_hub.src.models.qwen_moe.qwen_moe_attention.QwenMoeAttention": Entry(
         options=_qwen_options(_fused_on_accelerators),
         call=common.self_attention,
-        # No described mask: the MoE block reads the decoder's dense mask too.
+        decoder_mask=_MOE_DECODER,
         weights=lambda layer: common.weights(layer, _MOE_PROJECTIONS),
         notes=(_window_note("every CPU; on a GPU or TPU only with dropout"),),
     ),
@@ -129,7 +137,7 @@ ADAPTERS = {
     "keras_hub.src.models.qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention": Entry(
         options=_qwen3_options,
         call=common.self_attention,
-        # No described mask: the MoE block reads the decoder's dense mask too.
+        decoder_mask=_MOE_DECODER,
         weights=lambda layer: common.weights(layer, _QK_NORMS),
         notes=(_NOTE,),
     ),

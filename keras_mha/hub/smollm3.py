@@ -66,6 +66,7 @@ ADAPTERS = {
         options=_options,
         call=_call,
         weights=_weights,
+        decoder_mask=common.causal_decoder_mask,
         attributes=lambda config: {
             "head_dim": config["hidden_size"] // config["num_attention_heads"]
         },
