@@ -32,10 +32,13 @@ class Entry:
         weights: `(hub_layer) -> {our sublayer: values}`: the keras-hub layer's
             variables for each of our sublayers (`"query_dense"`, ...), each a list
             of arrays in our sublayer's variable order.
-        decoder_mask: `None`, or `(decoder, **arguments) -> mask`: replaces the
+        decoder_mask: `None`; `(decoder, **arguments) -> mask`, which replaces the
             `_compute_self_attention_mask` of the decoder block holding the layer in a
             swapped model (`keras_mha.hub.describe_masks`), so that the block passes
-            `call` its mask described (`common.DecoderMask`) instead of dense.
+            `call` its mask described (`common.DecoderMask`) instead of dense; or a
+            `common.DescribedDecoder` naming the block's mask method (Gemma's
+            `_compute_attention_mask`), the block classes it applies to, and what
+            other sublayers get (the MoE router's loss).
         notes: Where keras-hub's class and ours differ, one line each (the guide's
             table, `swap`'s report).
         attributes: `None`, or `(config) -> dict`: attributes of the keras-hub layer
