@@ -11,6 +11,7 @@
 
 import functools
 import importlib
+import inspect
 import sys
 
 from keras_mha.hub import common
@@ -112,11 +113,16 @@ def describe_masks(model, packed=False):
         object.__setattr__(layer, spec.method, method)
         for name, reduce in spec.sublayers:
             sublayer = getattr(layer, name, None)
-            if sublayer is not None and "attention_mask" in sublayer._call_signature.parameters:
+            if sublayer is not None and _takes(sublayer, "attention_mask"):
                 own = type(sublayer).call.__get__(sublayer)  # never wraps a wrapper
                 object.__setattr__(sublayer, "call", functools.partial(_reduced, own, reduce))
         changed += 1
     return changed
+
+
+def _takes(layer, argument):
+    """Whether `layer`'s `call` takes `argument`."""
+    return argument in inspect.signature(type(layer).call).parameters
 
 
 def _described(spec, layer, packed, *args, **kwargs):
