@@ -55,9 +55,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/floor.py
 	$(BIN)/python benchmarks/packed.py
+	$(BIN)/python benchmarks/hub_lm.py
 	$(BIN)/python benchmarks/hub_packed.py
 	$(BIN)/python benchmarks/block_shapes.py
 	$(BIN)/python benchmarks/block_mask.py
+	$(BIN)/python benchmarks/score_mod.py
 
 # GPU tests + GPU benchmark per installed backend, against the existing .venv (no
 # install, no network), then a markdown report in $(GPU_OUT). On a machine without a

@@ -159,16 +159,17 @@ def _cell(result, key, fmt):
     return "—" if "error" in result else fmt.format(result[key])
 
 
-def report(rows, sizes, lengths):
+def report(rows, sizes, command, date=None):
+    date = date or datetime.date.today()
     lines = [
         "# keras-hub language models: unswapped against swapped",
         "",
-        f"Measured {datetime.date.today()} on {platform.node()} ({os.cpu_count()} cores), "
-        f"`benchmarks/hub_lm.py` (sizes {sizes}).",
+        f"Measured {date} on {platform.node()} ({os.cpu_count()} cores), "
+        f"`{command}` (sizes {sizes}).",
         "",
         "| backend | model | case | unswapped s | swapped s | time ratio | "
-        "unswapped MiB | swapped MiB | memory ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "unswapped MiB | swapped MiB | memory ratio | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         un, sw = row["unswapped"], row["swapped"]
@@ -185,7 +186,7 @@ def report(rows, sizes, lengths):
             f"{_cell(un, 'seconds', '{:.2f}')} | {_cell(sw, 'seconds', '{:.2f}')} | {ratio} | "
             f"{_cell(un, 'peak_growth_mib', '{:.0f}') if row['case'] != 'generate' else ''} | "
             f"{_cell(sw, 'peak_growth_mib', '{:.0f}') if row['case'] != 'generate' else ''} | "
-            f"{mem} |" + (f" {'; '.join(errors)}" if errors else "")
+            f"{mem} | {'; '.join(errors)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -210,6 +211,7 @@ def main(argv=None):
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     lengths = args.lengths or (TOY_LENGTHS if args.dry_run else LENGTHS)
+    command = "benchmarks/hub_lm.py " + " ".join(argv if argv is not None else sys.argv[1:])
     cases = [("train", n) for n in lengths] + ([] if args.no_generate else [("generate", 0)])
     rows = []
     for backend in args.backends:
@@ -223,13 +225,14 @@ def main(argv=None):
                     print(backend, model, row["case"], way, row[way], flush=True)
                 rows.append(row)
     if args.dry_run:
-        print(report(rows, sizes, lengths))
+        print(report(rows, sizes, command))
         return 0
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "hub_lm.json"), "w") as f:
-        json.dump({"date": str(datetime.date.today()), "sizes": sizes, "rows": rows}, f, indent=1)
+        record = {"date": str(datetime.date.today()), "command": command.strip()}
+        json.dump({**record, "sizes": sizes, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, "hub_lm.md"), "w") as f:
-        f.write(report(rows, sizes, lengths))
+        f.write(report(rows, sizes, command))
     return 0
 
 

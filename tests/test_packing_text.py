@@ -229,12 +229,13 @@ def test_a_packed_llama_learns_each_text_as_keras_hub_does_alone(tokenizer):
     total = 0.0
     for x, y, weights in packing_text.batches(texts, tokenizer, 32, batch_size=2):
         total += float(to_numpy(loss(y, packed(x), sample_weight=weights)))
-    alone = 0.0
-    for text in texts:
-        n = len(tokenizer(text)) + 2
-        made = keras_hub.models.LlamaCausalLMPreprocessor(tokenizer, sequence_length=n)
-        x, y, weights = made([text])
-        alone += float(to_numpy(loss(y, model(x), sample_weight=weights)))
+    # Each text alone in a row of its own, padded after it to the longest (causal: the
+    # padding changes none of its logits, and weighs 0).
+    longest = max(len(tokenizer(text)) for text in texts) + 2
+    made = keras_hub.models.LlamaCausalLMPreprocessor(tokenizer, sequence_length=longest)
+    x, y, weights = made(texts)
+    assert to_numpy(x["padding_mask"]).sum(axis=1).min() < longest  # some rows padded
+    alone = float(to_numpy(loss(y, model(x), sample_weight=weights)))
     np.testing.assert_allclose(total, alone, rtol=1e-5)
     # And keras-hub's fit trains on the batches as a dataset, read again each epoch.
     packed.compile(
