@@ -540,9 +540,11 @@ def plot_ratios(records, path):
         for tick, (_, color) in zip(ax.get_xticklabels(), labels):
             tick.set_color(color)
         ax.set_ylabel("time ours / built-in")
-        same = sum(bool(r.get("passed")) for r in rows)
+        compared = [r for r in rows if r.get("max_abs_diff") is not None]
+        same = sum(bool(r.get("passed")) for r in compared)
         ax.set_title(
-            f"{backend}: {same}/{len(rows)} same within {compare.ATOL:g}\nbars: ours / "
+            f"{backend}: {same}/{len(compared)} compared same within {compare.ATOL:g}"
+            f"{_not_compared(len(rows) - len(compared))}\nbars: ours / "
             "built-in, below 1 ours faster; whiskers: quartiles of the timed rounds",
             fontsize=9,
         )
@@ -568,6 +570,10 @@ def _parity_label(record):
     if get("max_abs_diff") is None:
         return f"{case}\nnot compared", "0.35"
     return f"{case}\n{diffs}\nsame", "#1a7f37"
+
+
+def _not_compared(count):
+    return f", {count} not compared (a side failed: its label says which)" if count else ""
 
 
 def _short(value):
