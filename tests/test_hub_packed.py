@@ -80,6 +80,8 @@ def _models(name):
         for block in swapped.backbone.transformer_layers:
             block.mlp.router_aux_loss_coefficient = 0.0
     hub.set_packed(swapped)
+    # Compiled once: every step below takes rows of ROW tokens (one trace per model).
+    swapped.compile(optimizer=keras.optimizers.SGD(1.0), loss=_loss(), run_eagerly=RUN_EAGERLY)
     return model, swapped
 
 
@@ -91,7 +93,6 @@ def _step_delta(lm, inputs, targets, weights):
     """The weights' change of one SGD step (rate 1) on the summed, weighted loss:
     minus the gradient of that loss."""
     before = lm.get_weights()
-    lm.compile(optimizer=keras.optimizers.SGD(1.0), loss=_loss(), run_eagerly=RUN_EAGERLY)
     lm.train_on_batch(inputs, targets, sample_weight=weights)
     after = lm.get_weights()
     lm.set_weights(before)
@@ -115,6 +116,17 @@ def test_the_other_families_pack_too(name, lengths):
     _check_packed(name, lengths)
 
 
+def _alone(values):
+    """A document alone in a row of its own of ROW tokens, padded after it (`padding_mask`
+    0; causal, the padding changes none of its logits, and weighs 0 in the losses): every
+    row of the test has one shape."""
+    row = np.zeros((1, ROW), values.dtype)
+    row[0, : len(values)] = values
+    mask = np.zeros((1, ROW), "int32")
+    mask[0, : len(values)] = 1
+    return {"token_ids": row, "padding_mask": mask}
+
+
 def _check_packed(name, lengths):
     model, swapped = _models(name)
     rng = np.random.default_rng(len(lengths))
@@ -129,23 +141,22 @@ def _check_packed(name, lengths):
     ids = rows["segment_ids"][row]
     for document in range(1, ids.max() + 1):
         where = np.flatnonzero(ids == document)
-        tokens = rows["token_ids"][row, where][None]
-        alone = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
-        expected = to_numpy(model(alone))[0]
+        alone = _alone(rows["token_ids"][row, where])
+        expected = to_numpy(model(alone))[0, : len(where)]
         np.testing.assert_allclose(packed_logits[where], expected, atol=1e-5, rtol=1e-5)
     # Gradients of one document's loss: packed (the others weigh 0) and alone.
     where = np.flatnonzero(ids == 1)
     targets = rows["targets"][row : row + 1]
     weights = (rows["loss_mask"][row : row + 1] & (ids == 1)[None]).astype("float32")
     packed_delta = _step_delta(swapped, packed_inputs, targets, weights)
-    tokens = rows["token_ids"][row, where][None]
     # The same swapped model alone (its weights in the same order; the logits above
     # already compared it with keras-hub's own model).
+    alone = _alone(rows["token_ids"][row, where])
     alone_delta = _step_delta(
         swapped,
-        {"token_ids": tokens, "padding_mask": np.ones_like(tokens)},
-        targets[:, where],
-        weights[:, where],
+        alone,
+        _alone(targets[0, where])["token_ids"],
+        _alone(weights[0, where])["token_ids"],
     )
     assert max(np.abs(d).max() for d in alone_delta) > 1e-6
     for ours, theirs in zip(packed_delta, alone_delta):
