@@ -139,20 +139,26 @@ def worker(model_name, way, case, length, steps, sizes):
     }
 
 
-def _run(backend, model, way, case, length, args):
-    worker_args = ["--worker", model, way, case, str(length), "--steps", str(args.steps)]
-    worker_args += ["--dry-run"] if args.dry_run else []
+def spawn(backend, worker_args, args, script=__file__):
+    """`worker_args` of `script` run in a fresh process under `args.memory_limit_gib` and
+    `args.time_limit_s`: its result, or `{"error": why}`."""
     try:
         result = bench._spawn(
             backend,
             worker_args,
             memory_limit_gib=args.memory_limit_gib,
             time_limit_s=args.time_limit_s,
-            script=__file__,
+            script=script,
         )
     except RuntimeError as error:  # the worker failed: its last line says why
         return {"error": str(error).strip().splitlines()[-1][:200]}
     return {"error": result["failed"]} if "failed" in result else result
+
+
+def _run(backend, model, way, case, length, args):
+    worker_args = ["--worker", model, way, case, str(length), "--steps", str(args.steps)]
+    worker_args += ["--dry-run"] if args.dry_run else []
+    return spawn(backend, worker_args, args)
 
 
 def _cell(result, key, fmt):

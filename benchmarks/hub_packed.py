@@ -190,19 +190,8 @@ def _timed(function):
 def _run_child(backend, name, way, sizes, args):
     worker_args = ["--child", name, way, "--sizes", json.dumps(sizes)]
     worker_args += ["--passes", str(1 if args.dry_run else args.passes)]
-    try:
-        result = hub_lm.bench._spawn(
-            backend,
-            worker_args,
-            memory_limit_gib=args.memory_limit_gib,
-            time_limit_s=args.time_limit_s,
-            script=__file__,
-        )
-    except RuntimeError as error:  # the worker failed: its last line says why
-        result = {"failed": str(error).strip().splitlines()[-1][:200]}
-    if "failed" in result:
-        return {"model": name, "way": way, "backend": backend, "error": result["failed"]}
-    return result
+    result = hub_lm.spawn(backend, worker_args, args, script=__file__)
+    return {"model": name, "way": way, "backend": backend, **result}
 
 
 def report(records, sizes, command):
