@@ -311,3 +311,12 @@ def test_swap_file_refuses_an_output_that_is_not_keras(saved, tmp_path):
 def test_peak_memory_is_measured_for_each_side(saved):
     for which in ("builtin", "ours"):
         assert compare.peak_memory(saved["classifier"], which, IMPORTS) > 10
+
+
+def test_the_reference_is_the_first_installed_backend_free_of_the_defect():
+    """tensorflow first (it answers one eager gradient without compiling), then jax;
+    never the backend being judged."""
+    assert known.reference_backend("torch", {"jax", "tensorflow", "torch"}) == "tensorflow"
+    assert known.reference_backend("torch", {"jax", "torch"}) == "jax"
+    assert known.reference_backend("tensorflow", {"jax", "tensorflow"}) == "jax"
+    assert known.reference_backend("torch", {"torch"}) is None
