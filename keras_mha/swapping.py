@@ -222,6 +222,7 @@ def _copy_weights(original, result, path):
     for source, target in zip(own, new):
         target.assign(keras.ops.convert_to_numpy(source.value))  # a copy, not a shared buffer
     _copy_assets(original, result)
+    hub.carry_config_gaps(original, result)
     for old, fresh in zip(before, after):
         _copy_weights(old, fresh, f"{path}/{old.name}")
 

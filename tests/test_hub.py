@@ -1378,3 +1378,36 @@ def test_gemma3_blocks_pass_their_masks_described():
         block, sequence, inputs["padding_mask"], vision, None, 0
     )
     np.testing.assert_array_equal(to_numpy(dense), to_numpy(expected))
+
+
+def test_swap_carries_what_keras_hubs_config_drops(monkeypatch):
+    """keras-hub 0.32's `QwenMoeBackbone.get_config` drops `router_aux_loss_coefficient`:
+    the swap (a rebuild from the config) carries it from the original, so the swapped
+    model's load-balancing losses are the original's (`hub.CONFIG_GAPS`)."""
+    keras.utils.set_random_seed(0)
+    backbone = models.QwenMoeBackbone(
+        **TINY,
+        moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=8,
+        num_experts=2,
+        top_k=1,
+        router_aux_loss_coefficient=0.25,
+    )
+    inputs = ZOO["qwen_moe"].inputs(*_tokens())
+
+    def aux_losses(model):
+        model(inputs, training=True)
+        return np.array([to_numpy(loss) for loss in model.losses])
+
+    expected = aux_losses(backbone)
+    assert len(expected) == TINY["num_layers"] and (expected > 0).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = keras_mha.swap(backbone)
+    assert swapped.router_aux_loss_coefficient == 0.25
+    np.testing.assert_allclose(aux_losses(swapped), expected, rtol=1e-5)
+    monkeypatch.setattr(hub, "carry_config_gaps", lambda original, result: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rebuilt = keras_mha.swap(backbone)  # what keras-hub's config alone gives
+    assert not np.allclose(aux_losses(rebuilt), expected, rtol=1e-3)

@@ -5,6 +5,8 @@
 - `adapter.HubAttention`: the layer that takes such a class's place in its model.
 - `patch()` / `unpatch()`: while patched (inside `keras_mha.swapped()`), constructing
   one of those classes constructs a `HubAttention` for it.
+- `carry_config_gaps(original, result)`: what a keras-hub class's `get_config` drops
+  (`table.CONFIG_GAPS`), from a layer to its rebuilt copy.
 - `describe_masks(model)`: the decoder blocks of a swapped model pass their masks to
   our layer described, not dense (`swap` and `save_swapped` files do it).
 """
@@ -16,12 +18,14 @@ import sys
 
 from keras_mha.hub import common
 from keras_mha.hub.adapter import HubAttention, adapter_class, constructor_arguments
-from keras_mha.hub.table import ADAPTERS, OUT_OF_SCOPE
+from keras_mha.hub.table import ADAPTERS, CONFIG_GAPS, OUT_OF_SCOPE
 
 __all__ = [
     "ADAPTERS",
+    "CONFIG_GAPS",
     "HubAttention",
     "OUT_OF_SCOPE",
+    "carry_config_gaps",
     "common",
     "describe_masks",
     "hub_classes",
@@ -59,6 +63,16 @@ def out_of_scope(layer):
     """Why `layer`'s keras-hub attention class does not move (`OUT_OF_SCOPE`), or `None`."""
     key = hub_classes(OUT_OF_SCOPE).get(type(layer))
     return None if key is None else OUT_OF_SCOPE[key]
+
+
+def carry_config_gaps(original, result):
+    """Sets on `result` (a layer rebuilt from `original`'s config) the attributes that
+    `original`'s keras-hub class leaves out of its config (`CONFIG_GAPS`)."""
+    key = hub_classes(CONFIG_GAPS).get(type(original))
+    if key is None or type(result) is not type(original):
+        return
+    for name in CONFIG_GAPS[key]:
+        setattr(result, name, getattr(original, name))
 
 
 def patch():

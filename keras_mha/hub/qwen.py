@@ -30,6 +30,16 @@ _QK_NORMS = {
 }
 
 
+# keras-hub 0.32's `QwenMoeBackbone.get_config` drops `router_aux_loss_coefficient`, and the
+# backbone passes it to each decoder block and its sparse MoE block when constructed.
+_MOE = "keras_hub.src.models.qwen_moe"
+CONFIG_GAPS = {
+    f"{_MOE}.qwen_moe_backbone.QwenMoeBackbone": ("router_aux_loss_coefficient",),
+    f"{_MOE}.qwen_moe_decoder.QwenMoeTransformerDecoder": ("router_aux_loss_coefficient",),
+    f"{_MOE}.qwen_moe_decoder.QwenSparseMoeBlock": ("router_aux_loss_coefficient",),
+}
+
+
 def _fused_everywhere_but_tensorflow(config):
     """`QwenAttention`, `Qwen3Attention` and `Qwen3MoeAttention`'s test for their
     fused path (which ignores the window)."""

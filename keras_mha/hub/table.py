@@ -4,7 +4,9 @@ Each family's module (`keras_mha/hub/<family>.py`, as keras-hub's own checkpoint
 converters are laid out) holds `ADAPTERS`, `{"module.ClassName": adapter.Entry}`: the
 class's constructor arguments mapped to our layer's, its call to ours, its weights to
 ours. None knows the others, and none imports keras-hub at import time (keys are
-strings). `OUT_OF_SCOPE` names the attention classes of keras-hub's language-model
+strings). A family's `CONFIG_GAPS`, `{"module.ClassName": (attribute, ...)}`, names what
+a keras-hub class's `get_config` drops, which a swap (a rebuild from the config) carries
+from the original instance. `OUT_OF_SCOPE` names the attention classes of keras-hub's language-model
 packages that are not moved, each with the reason (tests/test_hub.py's guard).
 """
 
@@ -34,8 +36,10 @@ FAMILIES = (
 )
 
 ADAPTERS = {}
+CONFIG_GAPS = {}
 OUT_OF_SCOPE = {}
 for _family in FAMILIES:
     _module = importlib.import_module(f"keras_mha.hub.{_family}")
     ADAPTERS.update(_module.ADAPTERS)
+    CONFIG_GAPS.update(getattr(_module, "CONFIG_GAPS", {}))
     OUT_OF_SCOPE.update(getattr(_module, "OUT_OF_SCOPE", {}))
