@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/block_shapes.py
 	$(BIN)/python benchmarks/block_mask.py
 	$(BIN)/python benchmarks/score_mod.py
+	$(BIN)/python benchmarks/reference_backend.py
 
 # GPU tests + GPU benchmark per installed backend, against the existing .venv (no
 # install, no network), then a markdown report in $(GPU_OUT). On a machine without a
