@@ -18,10 +18,17 @@ through `masks.AttentionMask.block_mask`, ANDed with the call's other masks.
 
 Positions are absolute: with a KV cache, `q_idx` is `cache_update_index + t`, so the
 block mask of a decoder is built for `T = S = max_length`.
+
+Saving: the named patterns below (and `and_masks` / `or_masks` of them) are `MaskMod`
+objects, saved by name and arguments, and a `BlockMask` saves its `mask_mod` and sizes
+(its block map is rebuilt on loading): a functional model that passes either as the
+call argument `mask_mod` saves and loads. A function of your own saves as Keras saves
+functions: register it with `keras.saving.register_keras_serializable()`.
 """
 
 import math
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -31,6 +38,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 _GRID_BUDGET = 1 << 24
 
 
+@keras.saving.register_keras_serializable(package="keras_mha")
 class BlockMask:
     """A `mask_mod` with its block map: which blocks are empty, partial or full.
 
@@ -68,6 +76,24 @@ class BlockMask:
             f"block_size=({q_block}, {kv_block}), batch={self.batch}, heads={self.heads}, "
             f"density={self.density:.3f})"
         )
+
+    def get_config(self):
+        """The `mask_mod` (serialized as Keras serializes objects) and the arguments
+        of `create_block_mask`; the block map is rebuilt from them (`from_config`)."""
+        return {
+            "mask_mod": keras.saving.serialize_keras_object(self.mask_mod),
+            "B": self.batch,
+            "H": self.heads,
+            "T": self.query_length,
+            "S": self.key_length,
+            "block_size": list(self.block_size),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        mask_mod = keras.saving.deserialize_keras_object(config.pop("mask_mod"))
+        return create_block_mask(mask_mod, **config)
 
     @property
     def shape(self):
@@ -282,43 +308,69 @@ def _reduce(dense, q_block, kv_block):
 # ----------------------------------------------------------------- combining masks
 def and_masks(*mask_mods):
     """A `mask_mod` true where all of `mask_mods` are."""
-    return _combine(mask_mods, ops.logical_and)
+    _check_mask_mods(mask_mods)
+    return MaskMod("and", mask_mods=list(mask_mods))
 
 
 def or_masks(*mask_mods):
     """A `mask_mod` true where any of `mask_mods` is."""
-    return _combine(mask_mods, ops.logical_or)
+    _check_mask_mods(mask_mods)
+    return MaskMod("or", mask_mods=list(mask_mods))
 
 
-def _combine(mask_mods, op):
+def _check_mask_mods(mask_mods):
     if not mask_mods or not all(callable(m) for m in mask_mods):
         from keras_mha import checks
 
         raise checks.invalid("mask_mods", "one or more functions", mask_mods)
 
-    def combined(b, h, q_idx, kv_idx):
-        out = mask_mods[0](b, h, q_idx, kv_idx)
-        for mask_mod in mask_mods[1:]:
-            out = op(out, mask_mod(b, h, q_idx, kv_idx))
-        return out
 
-    return combined
+def _combined(op):
+    def build(mask_mods):
+        def combined(b, h, q_idx, kv_idx):
+            out = mask_mods[0](b, h, q_idx, kv_idx)
+            for mask_mod in mask_mods[1:]:
+                out = op(out, mask_mod(b, h, q_idx, kv_idx))
+            return out
+
+        return combined
+
+    return build
 
 
 # -------------------------------------------------------------- named patterns
 def causal():
     """Query `q` sees keys `kv <= q`."""
+    return MaskMod("causal")
 
+
+def sliding_window(left, right=0):
+    """Query `q` sees keys `q - left <= kv <= q + right` (`right=0`: causal window
+    of `left + 1` keys)."""
+    return MaskMod("sliding_window", left=int(left), right=int(right))
+
+
+def prefix_lm(prefix_length):
+    """Causal, and every query sees the first `prefix_length` keys (PaliGemma's
+    bidirectional prefix)."""
+    return MaskMod("prefix_lm", prefix_length=int(prefix_length))
+
+
+def document(ids, causal_within=True):
+    """Packed rows: a query sees keys of its own document (ids `(S,)` or `(B, S)`,
+    positions of queries and keys alike), causally unless `causal_within=False`."""
+    ids = np.asarray(ops.convert_to_numpy(ids) if hasattr(ids, "dtype") else ids)
+    return MaskMod("document", ids=ids.astype("int32").tolist(), causal_within=bool(causal_within))
+
+
+def _causal():
     def mask_mod(b, h, q_idx, kv_idx):
         return ops.greater_equal(q_idx, kv_idx)
 
     return mask_mod
 
 
-def sliding_window(left, right=0):
-    """Query `q` sees keys `q - left <= kv <= q + right` (`right=0`: causal window
-    of `left + 1` keys)."""
-
+def _sliding_window(left, right):
     def mask_mod(b, h, q_idx, kv_idx):
         distance = q_idx - kv_idx
         return ops.logical_and(ops.less_equal(distance, left), ops.greater_equal(distance, -right))
@@ -326,17 +378,17 @@ def sliding_window(left, right=0):
     return mask_mod
 
 
-def prefix_lm(prefix_length):
-    """Causal, and every query sees the first `prefix_length` keys (PaliGemma's
-    bidirectional prefix)."""
-    return or_masks(causal(), lambda b, h, q_idx, kv_idx: ops.less(kv_idx, prefix_length))
+def _prefix_lm(prefix_length):
+    causal_mask = _causal()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ops.logical_or(causal_mask(b, h, q_idx, kv_idx), ops.less(kv_idx, prefix_length))
+
+    return mask_mod
 
 
-def document(ids, causal_within=True):
-    """Packed rows: a query sees keys of its own document (ids `(S,)` or `(B, S)`,
-    positions of queries and keys alike), causally unless `causal_within=False`."""
-    ids = ops.convert_to_tensor(np.asarray(ids) if not hasattr(ids, "dtype") else ids)
-    ids = ops.cast(ids, "int32")
+def _document(ids, causal_within):
+    ids = ops.convert_to_tensor(np.asarray(ids, "int32"))
     length = ids.shape[-1]
     flat = ops.reshape(ids, (-1,))
 
@@ -346,6 +398,61 @@ def document(ids, causal_within=True):
         return ops.logical_and(same, ops.greater_equal(q_idx, kv_idx)) if causal_within else same
 
     return mask_mod
+
+
+# The named patterns: name -> a builder of the function from the pattern's arguments.
+_PATTERNS = {
+    "causal": _causal,
+    "sliding_window": _sliding_window,
+    "prefix_lm": _prefix_lm,
+    "document": _document,
+    "and": _combined(ops.logical_and),
+    "or": _combined(ops.logical_or),
+}
+
+
+@keras.saving.register_keras_serializable(package="keras_mha")
+class MaskMod:
+    """A named `mask_mod` (`causal()`, `sliding_window(...)`, `and_masks(...)`, ...):
+    called as the function it names, saved by its name and arguments.
+
+    Args:
+        name: one of `causal`, `sliding_window`, `prefix_lm`, `document`, `and`, `or`.
+        **config: the pattern's arguments, plain data (`and` / `or`: `mask_mods`, a
+            list of functions).
+    """
+
+    def __init__(self, name, **config):
+        if name not in _PATTERNS:
+            from keras_mha import checks
+
+            raise checks.invalid("name", f"one of {sorted(_PATTERNS)}", name)
+        self.name, self.config = name, config
+        self._fn = _PATTERNS[name](**config)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self._fn(b, h, q_idx, kv_idx)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config.items() if k != "ids")
+        return f"{self.name}({args})"
+
+    def get_config(self):
+        config = dict(self.config)
+        if "mask_mods" in config:
+            config["mask_mods"] = [
+                keras.saving.serialize_keras_object(m) for m in config["mask_mods"]
+            ]
+        return {"name": self.name, **config}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if "mask_mods" in config:
+            config["mask_mods"] = [
+                keras.saving.deserialize_keras_object(m) for m in config["mask_mods"]
+            ]
+        return cls(**config)
 
 
 # ------------------------------------------------------------------ a layer's call

@@ -39,11 +39,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import keras
 from keras import backend, ops
 
 from keras_mha import checks
 
 
+@keras.saving.register_keras_serializable(package="keras_mha")
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds tensors
 class ScoreMod:
     """A score function and the tensors it reads.
@@ -131,6 +133,12 @@ class ScoreMod:
                 self.fn if self.name is None else self.name,
             )
         return {"name": self.name, **(self.config or {})}
+
+    @classmethod
+    def from_config(cls, config):
+        """The named function of a config (`get_config`): a functional model that
+        passes one as the call argument `score_mod` saves and loads."""
+        return get(config)
 
 
 def get(value):

@@ -386,3 +386,20 @@ def test_padding_cut_off_keeps_the_positions(implementation):
     dense = np.broadcast_to(valid[:, None, :] & valid[:, :, None], (B, 7, 7))
     whole = to_numpy(layer(x, x, attention_mask=dense, use_causal_mask=True))
     np.testing.assert_allclose(cut[:, :4], whole[:, :4], atol=ATOL)
+
+
+def test_a_functional_model_passing_a_named_score_mod_saves_and_loads(tmp_path, rng):
+    """The call argument `score_mod` of a functional model (a named function without
+    tensors) is saved with the model and applied after loading."""
+    x = keras.Input((6, 8))
+    layer = keras_mha.MultiHeadAttention(2, 4, name="attention")
+    model = keras.Model(x, layer(x, x, score_mod=sm.alibi(2)))
+    data = rng.standard_normal((2, 6, 8)).astype("float32")
+    path = tmp_path / "alibi.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    attention = loaded.get_layer("attention")
+    expected = to_numpy(attention(data, data, score_mod=sm.alibi(2)))
+    assert np.abs(expected - to_numpy(attention(data, data))).max() > 1e-3  # it matters
+    np.testing.assert_allclose(to_numpy(loaded(data)), expected, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(model(data)), expected, atol=1e-5)
