@@ -12,6 +12,9 @@ decoder blocks pass our layer their masks described).
   baseline.
 - Generate: `generate()` of 64 tokens (greedy) after a 4096-token prompt, once to
   compile, then timed.
+- `--floor` (train steps only; writes `hub_lm_floor.*`): also the swapped model with
+  the attention itself replaced by a zero output (`floor`): the time and memory of
+  everything else in the step, below which no attention can bring the model.
 
 Every (model, way, case) runs in a fresh process per backend, one at a time. A process
 that outgrows `--memory-limit-gib` of resident memory (16 GiB: the machine has 24) or runs
@@ -20,6 +23,7 @@ past `--time-limit-s` is stopped and reported as such.
     .venv/bin/python benchmarks/hub_lm.py                      # writes results/hub_lm.*
     .venv/bin/python benchmarks/hub_lm.py --dry-run            # toy sizes, checks it runs
     .venv/bin/python benchmarks/hub_lm.py --backends jax --lengths 2048 --models llama
+    .venv/bin/python benchmarks/hub_lm.py --floor --lengths 8192 --no-generate
 """
 
 import argparse
@@ -39,6 +43,7 @@ import run as bench  # noqa: E402  (benchmarks/run.py: a worker process under me
 BACKENDS = ("tensorflow", "jax", "torch")
 MODELS = ("llama", "gemma3")
 WAYS = ("unswapped", "swapped")
+FLOOR = "floor"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FULL = dict(layers=2, hidden=256, heads=4, vocab=1000, prompt=4096, new_tokens=64)
 TOY = dict(layers=1, hidden=32, heads=2, vocab=64, prompt=32, new_tokens=4)
@@ -98,10 +103,17 @@ def worker(model_name, way, case, length, steps, sizes):
 
     keras.utils.set_random_seed(0)
     model = build(model_name, sizes)
-    if way == "swapped":
+    if way in ("swapped", FLOOR):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = keras_mha.swap(model)
+    if way == FLOOR:  # the attention's output, zeros of its shape: no attention at all
+        from keras_mha import layer
+
+        def no_attention(query, key, value, **kwargs):
+            return query[..., : value.shape[-1]] * 0.0, None
+
+        layer.kernels.attention = no_attention
     if case == "generate":
         inputs, _, _ = _rows(sizes["prompt"] + sizes["new_tokens"], sizes["vocab"], False)
         inputs["padding_mask"][:, sizes["prompt"] :] = 0
@@ -194,6 +206,29 @@ def report(rows, sizes, command, date=None):
             f"{_cell(sw, 'peak_growth_mib', '{:.0f}') if row['case'] != 'generate' else ''} | "
             f"{mem} | {'; '.join(errors)} |"
         )
+    floors = [row for row in rows if FLOOR in row]
+    if floors:
+        lines += [
+            "",
+            "Floor: the swapped model with its attention replaced by a zero output (the "
+            "rest of the step), against the unswapped model.",
+            "",
+            "| backend | model | case | floor s | floor / unswapped time | floor MiB | "
+            "floor / unswapped memory |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in floors:
+            un, fl = row["unswapped"], row[FLOOR]
+            if "error" in un or "error" in fl:
+                lines.append(
+                    f"| {row['backend']} | {row['model']} | {row['case']} | — | — | — | — |"
+                )
+                continue
+            lines.append(
+                f"| {row['backend']} | {row['model']} | {row['case']} | {fl['seconds']:.2f} | "
+                f"{fl['seconds'] / un['seconds']:.2f}x | {fl['peak_growth_mib']:.0f} | "
+                f"{fl['peak_growth_mib'] / max(un['peak_growth_mib'], 1.0):.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -204,6 +239,7 @@ def main(argv=None):
     parser.add_argument("--lengths", nargs="+", type=int)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--no-generate", action="store_true")
+    parser.add_argument("--floor", action="store_true", help="also the attention-free floor")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--memory-limit-gib", type=float, default=16.0)
@@ -226,7 +262,8 @@ def main(argv=None):
                 row = {"backend": backend, "model": model, "case": case, "length": length}
                 if case == "train":
                     row["case"] = f"train T={length}"
-                for way in WAYS:
+                ways = WAYS + ((FLOOR,) if args.floor and case == "train" else ())
+                for way in ways:
                     row[way] = _run(backend, model, way, case, length, args)
                     print(backend, model, row["case"], way, row[way], flush=True)
                 rows.append(row)
@@ -234,10 +271,11 @@ def main(argv=None):
         print(report(rows, sizes, command))
         return 0
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hub_lm.json"), "w") as f:
+    name = "hub_lm_floor" if args.floor else "hub_lm"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         record = {"date": str(datetime.date.today()), "command": command.strip()}
         json.dump({**record, "sizes": sizes, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "hub_lm.md"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(report(rows, sizes, command))
     return 0
 
