@@ -219,3 +219,17 @@ def call(layer, *args, **kwargs):
 def leaf(array):
     """A torch tensor that takes gradients, on Keras's device (the GPU where there is one)."""
     return keras.ops.convert_to_tensor(array).detach().requires_grad_(True)
+
+
+# ------------------------------------------------------------ reference gradients
+def stacked_numeric_gradient(fn, array, step=1e-6):
+    """`reference.numeric_gradient(fn_one, array)` with every perturbed copy in one call:
+    `fn` maps a stack `(P, *array.shape)` of arrays to their `P` float64 losses (the
+    reference runs them as one batch of `P * B` rows), `fn_one` is `fn` of one copy.
+
+    The same central differences, one NumPy pass instead of `2 * array.size`."""
+    array = np.asarray(array, np.float64)
+    n = array.size
+    steps = (np.eye(n) * step).reshape((n,) + array.shape)
+    losses = np.asarray(fn(np.concatenate([array + steps, array - steps])), np.float64)
+    return ((losses[:n] - losses[n:]) / (2 * step)).reshape(array.shape)
