@@ -7,7 +7,7 @@ import threading
 import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, to_numpy, value_and_grads
+from helpers import BACKEND, fingerprint, to_numpy, value_and_grads
 from keras import ops
 from reference import reference_attention
 
@@ -151,8 +151,20 @@ def _run(kernel, mask, extras=None, **options):
     return fn
 
 
+# The explicit kernel's outputs and gradients, by their inputs: the kernels compared
+# with it on the same inputs (within a test and across tests) share one run of it.
+_EXPLICIT = {}
+
+
+def _explicit(mask, arrays, extras=None, **options):
+    key = fingerprint((mask, tuple(arrays), extras, options))
+    if key not in _EXPLICIT:
+        _EXPLICIT[key] = value_and_grads(_run("explicit", mask, extras, **options), arrays)
+    return _EXPLICIT[key]
+
+
 def _assert_same(kernel, mask, arrays, extras=None, **options):
-    expected, expected_grads = value_and_grads(_run("explicit", mask, extras, **options), arrays)
+    expected, expected_grads = _explicit(mask, arrays, extras, **options)
     out, grads = value_and_grads(_run(kernel, mask, extras, **options), arrays)
     np.testing.assert_allclose(out, expected, atol=ATOL)
     assert np.isfinite(out).all()
@@ -222,6 +234,17 @@ def test_bias_gradient_of_every_broadcast_shape(rng, kernel, shape):
     _assert_same(kernel, MASKS["causal"](T, T), (q, k, v, bias), ("bias",))
 
 
+_CHUNKED_OUTPUTS = {}
+
+
+def _chunked_output(mask, arrays, **options):
+    """The chunked kernel's output (forward and backward run), once per inputs."""
+    key = fingerprint((mask, tuple(arrays), options))
+    if key not in _CHUNKED_OUTPUTS:
+        _CHUNKED_OUTPUTS[key] = value_and_grads(_run("chunked", mask, **options), arrays)[0]
+    return _CHUNKED_OUTPUTS[key]
+
+
 @pytest.mark.parametrize("kernel", CHUNKED)
 def test_chunked_dropout_equals_explicit_dropout(rng, kernel):
     """The dropout mask is a hash of positions: chunking does not change it."""
@@ -230,11 +253,12 @@ def test_chunked_dropout_equals_explicit_dropout(rng, kernel):
     _assert_same(kernel, mask, _inputs(rng), dropout=0.4, seed=seed)
     packed = MASKS["segments+causal+window+padding"](T, T)
     _assert_same(kernel, packed, _inputs(rng), dropout=0.4, seed=seed)
-    # Dropout acted, and another seed drops other weights.
-    plain, _ = value_and_grads(_run("chunked", mask), _inputs(rng))
-    first, _ = value_and_grads(_run("chunked", mask, dropout=0.4, seed=seed), _inputs(rng))
+    # Dropout acted, and another seed drops other weights (the chunked kernel's runs, the
+    # same for every `kernel`: once per module).
+    plain = _chunked_output(mask, _inputs(rng))
+    first = _chunked_output(mask, _inputs(rng), dropout=0.4, seed=seed)
     other = ops.convert_to_tensor(np.array([4, 11]), "int32")
-    second, _ = value_and_grads(_run("chunked", mask, dropout=0.4, seed=other), _inputs(rng))
+    second = _chunked_output(mask, _inputs(rng), dropout=0.4, seed=other)
     assert np.abs(first - plain).max() > 1e-2
     assert np.abs(first - second).max() > 1e-2
 
@@ -384,7 +408,7 @@ def test_segments_match_the_reference_with_a_dense_block_diagonal_mask(
     dense_mask = to_numpy(_tensorize(dense).block(0, t, 0, s))
     expected, _ = reference_attention(*arrays, mask=dense_mask[:, 0])
     np.testing.assert_allclose(out, expected, atol=ATOL)
-    _, expected_grads = value_and_grads(_run("explicit", dense), arrays)
+    _, expected_grads = _explicit(dense, arrays)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(got, want, atol=ATOL)
     # Across documents nothing flows: the key gradient of batch 0's first document
@@ -922,7 +946,7 @@ def test_policy_kernel_in_a_compiled_step_matches_explicit(rng, masking, how):
     loop in a graph, the static one under XLA), forward and backward in one step."""
     arrays = _inputs(rng)
     mask = MASKS[masking](T, T)
-    expected, expected_grads = value_and_grads(_run("explicit", mask), arrays)
+    expected, expected_grads = _explicit(mask, arrays)
 
     def fn(q, k, v):
         out, _ = kernels.attention(
@@ -937,10 +961,18 @@ def test_policy_kernel_in_a_compiled_step_matches_explicit(rng, masking, how):
         )
         return out
 
-    out, grads = _compiled_value_and_grads(fn, arrays, how)
+    # Only TensorFlow compiles the three ways; JAX's are one `jax.jit`, torch's one
+    # eager run: there the step runs once per mask, each `how` checking its result.
+    key = (masking, how if BACKEND == "tensorflow" else None)
+    if key not in _POLICY_STEPS:
+        _POLICY_STEPS[key] = _compiled_value_and_grads(fn, arrays, how)
+    out, grads = _POLICY_STEPS[key]
     np.testing.assert_allclose(out, expected, atol=ATOL)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+_POLICY_STEPS = {}
 
 
 # ------------------------------------------------------------------------- policy
@@ -1087,7 +1119,7 @@ def test_every_kernel_takes_the_scale(rng, kernel, scale, masking):
     t, s = T, T + 2
     mask = MASKS[masking](t, s)
     arrays = _inputs(rng, t, s)
-    out = to_numpy(_run("explicit", mask, scale=scale)(*arrays))
+    out, _ = _explicit(mask, arrays, scale=scale)  # the run the kernels compare with
     dense = np.broadcast_to(to_numpy(_tensorize(mask).block(0, t, 0, s)), (B, 1, t, s))
     expected, _ = reference_attention(*arrays, mask=dense[:, 0], scale=scale)
     np.testing.assert_allclose(out, expected, atol=ATOL)

@@ -8,8 +8,14 @@ keras-hub's own attention layers where they compute the same thing."""
 import keras
 import numpy as np
 import pytest
-import reference as reference_lib
-from helpers import BACKEND, compiled, gradients, output_and_gradients, to_numpy
+from helpers import (
+    BACKEND,
+    compiled,
+    gradients,
+    output_and_gradients,
+    stacked_numeric_gradient,
+    to_numpy,
+)
 from keras import ops
 from reference import reference_mha
 
@@ -305,6 +311,24 @@ def _option_reference(layer, query, value, padding, causal, **extra):
     )[0]
 
 
+def _stacked_loss(layer, query, value, padding, causal, weights, output_keep=None):
+    """`sum(reference * weights)` of each copy in a stack `(P, OB, OT, ODIM)` of queries
+    or values (the other one `(OB, OT, ODIM)`), in one reference call of `P * OB` rows
+    (the reference's batch rows are independent)."""
+    copies = max(len(a) for a in (query, value) if a.ndim == 4)
+
+    def rows(a):
+        return np.broadcast_to(a, (copies,) + a.shape[-3:]).reshape((-1,) + a.shape[-2:])
+
+    extra = {}
+    if output_keep is not None:
+        keep, rate = output_keep
+        extra["output_keep"] = (np.concatenate([keep] * copies), rate)
+    padding = np.concatenate([padding] * copies)
+    out = _option_reference(layer, rows(query), rows(value), padding, causal, **extra)
+    return np.sum(out.reshape(copies, OB, OT, ODIM) * weights, axis=(1, 2, 3))
+
+
 _REFERENCE_GRADIENTS = {}
 
 
@@ -316,11 +340,11 @@ def _reference_gradients(option, causal):
         x, padding, weights = _option_inputs()
 
         def loss_of(query, value):
-            return float(np.sum(_option_reference(layer, query, value, padding, causal) * weights))
+            return _stacked_loss(layer, query, value, padding, causal, weights)
 
         _REFERENCE_GRADIENTS[option, causal] = (
-            reference_lib.numeric_gradient(lambda q: loss_of(q, x), x),
-            reference_lib.numeric_gradient(lambda v: loss_of(x, v), x),
+            stacked_numeric_gradient(lambda q: loss_of(q, x), x),
+            stacked_numeric_gradient(lambda v: loss_of(x, v), x),
         )
     return _REFERENCE_GRADIENTS[option, causal]
 
@@ -440,12 +464,11 @@ def test_dropout_on_output_drops_attention_output_entries(implementation):
     keep = keep.reshape(OB, OT, OHEADS, OKEY_DIM).astype("float64")
 
     def loss_of(query, value):
-        reference = _option_reference(layer, query, value, padding, False, output_keep=(keep, rate))
-        return float(np.sum(reference * weights))
+        return _stacked_loss(layer, query, value, padding, False, weights, output_keep=(keep, rate))
 
-    d_query = reference_lib.numeric_gradient(lambda q: loss_of(q, x), x)
+    d_query = stacked_numeric_gradient(lambda q: loss_of(q, x), x)
     np.testing.assert_allclose(grads["query"], d_query, atol=1e-4)
-    d_value = reference_lib.numeric_gradient(lambda v: loss_of(x, v), x)
+    d_value = stacked_numeric_gradient(lambda v: loss_of(x, v), x)
     np.testing.assert_allclose(grads["value"], d_value, atol=1e-4)
     # Not in inference, and returned scores are the weights, undropped.
     np.testing.assert_allclose(to_numpy(layer(x, x, value_mask=padding)), plain, atol=ATOL)

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import reference as reference_lib
-from helpers import output_and_gradients, to_numpy
+from helpers import output_and_gradients, stacked_numeric_gradient, to_numpy
 from keras import ops
 from reference import reference_mha
 
@@ -88,9 +88,22 @@ def test_tied_matches_float64_reference_forward_and_backward(case, implementatio
         )[0]
 
     np.testing.assert_allclose(out, reference(x, x), atol=ATOL)
-    loss_of = lambda q, v: float(np.sum(reference(q, v) * weights))  # noqa: E731
-    d_query = reference_lib.numeric_gradient(lambda q: loss_of(q, x), x)
-    d_value = reference_lib.numeric_gradient(lambda v: loss_of(x, v), x)
+
+    def loss_of(query, value):  # a stack of queries or values, the other one shared
+        copies = max(len(a) for a in (query, value) if a.ndim == 4)
+        tile = lambda a: np.broadcast_to(a, (copies, *x.shape)).reshape(-1, T, DIM)  # noqa: E731
+        out = reference_mha(
+            layer,
+            tile(query),
+            tile(value),
+            mask=np.concatenate([_mask(padding)] * copies),
+            use_causal_mask=causal,
+            sliding_window=window,
+        )[0]
+        return np.sum(out.reshape(copies, *x.shape) * weights, axis=(1, 2, 3))
+
+    d_query = stacked_numeric_gradient(lambda q: loss_of(q, x), x)
+    d_value = stacked_numeric_gradient(lambda v: loss_of(x, v), x)
     np.testing.assert_allclose(grads["query"], d_query, atol=1e-4)
     np.testing.assert_allclose(grads["value"], d_value, atol=1e-4)
 
@@ -187,12 +200,25 @@ def test_shared_key_value_matches_float64_reference_forward_and_backward(
         )[0]
 
     np.testing.assert_allclose(out, reference(x, shared), atol=ATOL)
-    d_query = reference_lib.numeric_gradient(
-        lambda q: float(np.sum(reference(q, shared) * weights)), x
-    )
-    d_shared = reference_lib.numeric_gradient(
-        lambda kv: float(np.sum(reference(x, kv) * weights)), shared
-    )
+
+    def loss_of(query, kv):  # a stack of queries or of shared keys and values
+        copies = len(query) if query.ndim == 4 else len(kv)
+        query = np.broadcast_to(query, (copies, *x.shape)).reshape(-1, T, DIM)
+        kv = np.broadcast_to(kv, (copies, *shared.shape)).reshape(-1, *shared.shape[1:])
+        out = reference_mha(
+            layer,
+            query,
+            query,
+            mask=np.concatenate([mask] * copies),
+            use_causal_mask=True,
+            sliding_window=window,
+            shared_key_value=kv,
+            query_offset=offset,
+        )[0]
+        return np.sum(out.reshape(copies, *x.shape) * weights, axis=(1, 2, 3))
+
+    d_query = stacked_numeric_gradient(lambda q: loss_of(q, shared), x)
+    d_shared = stacked_numeric_gradient(lambda kv: loss_of(x, kv), shared)
     np.testing.assert_allclose(grads["query"], d_query, atol=1e-4)
     np.testing.assert_allclose(grads["shared_key_value"], d_shared, atol=1e-4)
     unused = grads["value"]  # the layer's own keys are not used: None (torch) or zeros
