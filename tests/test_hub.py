@@ -630,8 +630,15 @@ def _trainer(task):
 
 
 def _logits(model, inputs):
+    """`model`'s logits; on JAX through `predict_on_batch` (one compiled program per
+    model: eager JAX compiles each op of a call one by one, slower), a call on the
+    others."""
     forward = FORWARD.get(type(model).__name__)
-    return to_numpy(model(inputs) if forward is None else forward(model, inputs))
+    if forward is not None:
+        return to_numpy(forward(model, inputs))
+    if keras.backend.backend() == "jax":
+        return to_numpy(model.predict_on_batch(inputs))
+    return to_numpy(model(inputs))
 
 
 def _pair(name, seed=0):
@@ -644,15 +651,41 @@ def _pair(name, seed=0):
     return model, swapped
 
 
+class _Pair:
+    """Model `name` of the zoo and its swap (`_pair`), built on first use, and the
+    unswapped model's logits on `_inputs(name)`, computed once (the tests that train it
+    set its weights back). A test that changes the models for good (LoRA, quantizing)
+    `take()`s them: the next test that asks gets a new pair."""
+
+    def __init__(self, name):
+        self.name = name
+        self._models = self._logits = None
+
+    @property
+    def models(self):
+        if self._models is None:
+            self._models, self._logits = _pair(self.name), None
+        return self._models
+
+    def logits(self):
+        if self._logits is None:
+            self._logits = _logits(self.models[0], _inputs(self.name))
+        return self._logits
+
+    def take(self):
+        models = self.models
+        self._models = self._logits = None
+        return models
+
+
 @pytest.fixture(scope="module", params=list(ZOO))
 def pair(request):
-    model, swapped = _pair(request.param)
-    return request.param, model, swapped
+    return _Pair(request.param)
 
 
 # --------------------------------------------------------------------------- tests
 def test_swap_moves_every_attention_layer(pair):
-    _, model, swapped = pair
+    model, swapped = pair.models
     rows = swapping.swap_report(model, swapped)
     assert rows and all(row["status"] == swapping.MOVED for row in rows), rows
     for row, (_, layer) in zip(rows, swapping.attention_layers(swapped)):
@@ -662,9 +695,9 @@ def test_swap_moves_every_attention_layer(pair):
 
 
 def test_logits_match(pair):
-    name, model, swapped = pair
-    inputs = _inputs(name)
-    expected = _logits(model, inputs)
+    _, swapped = pair.models
+    inputs = _inputs(pair.name)
+    expected = pair.logits()
     assert np.isfinite(expected).all()
     np.testing.assert_allclose(_logits(swapped, inputs), expected, atol=ATOL, rtol=1e-5)
 
@@ -681,7 +714,7 @@ def _greedy_without_cache(model, inputs, prompt):
 
 
 def test_greedy_generate_gives_the_same_token_ids(pair):
-    name, model, swapped = pair
+    name, (model, swapped) = pair.name, pair.models
     key = ZOO[name].generated
     if key is None:
         pytest.skip(f"{name}'s task has no generate()")
@@ -703,7 +736,7 @@ def test_greedy_generate_gives_the_same_token_ids(pair):
 
 
 def test_training_gives_the_same_losses_over_several_steps(pair):
-    name, model, swapped = pair
+    name, (model, swapped) = pair.name, pair.models
     token_ids, padding_mask = _tokens(seed=2)
     inputs = ZOO[name].inputs(token_ids, padding_mask)
     rng = np.random.default_rng(3)
@@ -726,7 +759,7 @@ def test_training_gives_the_same_losses_over_several_steps(pair):
 
 
 def test_saved_swap_loads_with_only_keras_mha_attention(pair, tmp_path):
-    name, model, swapped = pair
+    name, (_, swapped) = pair.name, pair.models
     path = tmp_path / f"{name}.keras"
     keras_mha.save_swapped(swapped, path)
     with warnings.catch_warnings():
@@ -734,15 +767,41 @@ def test_saved_swap_loads_with_only_keras_mha_attention(pair, tmp_path):
         loaded = keras.saving.load_model(path)
     layers = swapping.attention_layers(loaded)
     assert layers and all(isinstance(x, hub.HubAttention) for _, x in layers)
+    np.testing.assert_allclose(_logits(loaded, _inputs(name)), pair.logits(), atol=ATOL, rtol=1e-5)
+
+
+def test_decoder_blocks_pass_their_masks_described(pair):
+    """In a swapped model, a decoder block whose entry describes its mask hands our
+    layer the padding mask and causality, not keras-hub's dense `(B, T, S)` mask."""
+    _, swapped = pair.models
+    blocks = [(layer, _mask_spec(layer)) for layer in swapped._flatten_layers()]
+    blocks = [(block, spec) for block, spec in blocks if spec is not None]
+    if not blocks:
+        pytest.skip("this model's entry passes keras-hub's dense mask")
+    inputs = _inputs()
+    sequence = keras.ops.ones((BATCH, LENGTH, 16))
+    for block, spec in blocks:
+        mask = _block_mask(block, spec.method, sequence, inputs["padding_mask"])
+        assert isinstance(mask, hub.common.DecoderMask)
+        np.testing.assert_array_equal(to_numpy(mask.padding_mask), inputs["padding_mask"])
+
+
+def test_int8_quantized_gives_the_same_logits(pair):
+    name, full = pair.name, pair.logits()
+    model, swapped = pair.take()  # quantized for good: a pair of its own
     inputs = _inputs(name)
-    np.testing.assert_allclose(
-        _logits(loaded, inputs), _logits(model, inputs), atol=ATOL, rtol=1e-5
-    )
+    for lm in (model, swapped):
+        lm.quantize("int8")
+    for _, layer in swapping.attention_layers(swapped):
+        assert layer.attention.query_dense.quantization_mode == "int8"
+    expected = _logits(model, inputs)
+    assert np.abs(expected - full).max() > 1e-4  # quantized for real
+    np.testing.assert_allclose(_logits(swapped, inputs), expected, atol=ATOL, rtol=1e-5)
 
 
 def test_enable_lora_gives_the_same_trainable_weights(pair):
-    name, _, _ = pair
-    model, swapped = _pair(name)  # LoRA changes the models: a pair of its own
+    name = pair.name
+    model, swapped = pair.take()  # LoRA changes the models: a pair of its own
     names = []
     for lm in (model, swapped):
         lm.backbone.enable_lora(2, target_layer_names=ZOO[name].lora_layer_names)
@@ -763,20 +822,6 @@ def test_enable_lora_gives_the_same_trainable_weights(pair):
     np.testing.assert_allclose(
         _logits(swapped, inputs), _logits(model, inputs), atol=ATOL, rtol=1e-5
     )
-
-
-def test_int8_quantized_gives_the_same_logits(pair):
-    name, _, _ = pair
-    model, swapped = _pair(name)
-    inputs = _inputs(name)
-    full = _logits(model, inputs)
-    for lm in (model, swapped):
-        lm.quantize("int8")
-    for _, layer in swapping.attention_layers(swapped):
-        assert layer.attention.query_dense.quantization_mode == "int8"
-    expected = _logits(model, inputs)
-    assert np.abs(expected - full).max() > 1e-4  # quantized for real
-    np.testing.assert_allclose(_logits(swapped, inputs), expected, atol=ATOL, rtol=1e-5)
 
 
 # ----------------------------------------------------------- entries' options
@@ -1106,6 +1151,7 @@ def test_t5gemma2_merged_attention_prefill_and_decoding(index):
 def _corrected(swapped):
     for _, layer in swapping.attention_layers(swapped):
         layer.corrected = True
+    swapped.predict_function = None  # compiled (`_logits` on JAX) before the change
     return swapped
 
 
@@ -1266,22 +1312,6 @@ def _block_mask(block, method, sequence, padding_mask, **overrides):
     }
     names = inspect.signature(getattr(type(block), method)).parameters
     return getattr(block, method)(**{k: v for k, v in arguments.items() if k in names})
-
-
-def test_decoder_blocks_pass_their_masks_described(pair):
-    """In a swapped model, a decoder block whose entry describes its mask hands our
-    layer the padding mask and causality, not keras-hub's dense `(B, T, S)` mask."""
-    _, _, swapped = pair
-    blocks = [(layer, _mask_spec(layer)) for layer in swapped._flatten_layers()]
-    blocks = [(block, spec) for block, spec in blocks if spec is not None]
-    if not blocks:
-        pytest.skip("this model's entry passes keras-hub's dense mask")
-    inputs = _inputs()
-    sequence = keras.ops.ones((BATCH, LENGTH, 16))
-    for block, spec in blocks:
-        mask = _block_mask(block, spec.method, sequence, inputs["padding_mask"])
-        assert isinstance(mask, hub.common.DecoderMask)
-        np.testing.assert_array_equal(to_numpy(mask.padding_mask), inputs["padding_mask"])
 
 
 def test_gemma4_options_per_layer_kind():

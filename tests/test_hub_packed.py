@@ -85,6 +85,14 @@ def _models(name):
     return model, swapped
 
 
+def _logits(lm, inputs):
+    """`lm`'s logits; on JAX through `predict_on_batch` (one compiled program per model:
+    eager JAX compiles each op of the call one by one, slower), a call on the others."""
+    if keras.backend.backend() == "jax":
+        return to_numpy(lm.predict_on_batch(inputs))
+    return to_numpy(lm(inputs))
+
+
 def _loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
 
@@ -116,15 +124,21 @@ def test_the_other_families_pack_too(name, lengths):
     _check_packed(name, lengths)
 
 
-def _alone(values):
-    """A document alone in a row of its own of ROW tokens, padded after it (`padding_mask`
-    0; causal, the padding changes none of its logits, and weighs 0 in the losses): every
-    row of the test has one shape."""
-    row = np.zeros((1, ROW), values.dtype)
-    row[0, : len(values)] = values
-    mask = np.zeros((1, ROW), "int32")
-    mask[0, : len(values)] = 1
+def _alone(*documents):
+    """Each document alone in a row of its own of ROW tokens, padded after it
+    (`padding_mask` 0; causal, the padding changes none of its logits, and weighs 0 in
+    the losses): every row of the test has one shape."""
+    row = np.zeros((len(documents), ROW), documents[0].dtype)
+    mask = np.zeros((len(documents), ROW), "int32")
+    for i, values in enumerate(documents):
+        row[i, : len(values)] = values
+        mask[i, : len(values)] = 1
     return {"token_ids": row, "padding_mask": mask}
+
+
+# A packed row holds at most this many documents (`_LENGTHS`): keras-hub's own model
+# takes them all in one call of this many rows (the last repeated), one shape.
+MAX_DOCUMENTS = 4
 
 
 def _check_packed(name, lengths):
@@ -137,12 +151,14 @@ def _check_packed(name, lengths):
         "token_ids": rows["token_ids"][row : row + 1],
         "padding_mask": rows["segment_ids"][row : row + 1],
     }
-    packed_logits = to_numpy(swapped(packed_inputs))[0]
+    packed_logits = _logits(swapped, packed_inputs)[0]
     ids = rows["segment_ids"][row]
-    for document in range(1, ids.max() + 1):
-        where = np.flatnonzero(ids == document)
-        alone = _alone(rows["token_ids"][row, where])
-        expected = to_numpy(model(alone))[0, : len(where)]
+    wheres = [np.flatnonzero(ids == document) for document in range(1, ids.max() + 1)]
+    assert len(wheres) <= MAX_DOCUMENTS
+    batch = wheres + wheres[-1:] * (MAX_DOCUMENTS - len(wheres))
+    alone_logits = _logits(model, _alone(*(rows["token_ids"][row, w] for w in batch)))
+    for document, where in enumerate(wheres):
+        expected = alone_logits[document, : len(where)]
         np.testing.assert_allclose(packed_logits[where], expected, atol=1e-5, rtol=1e-5)
     # Gradients of one document's loss: packed (the others weigh 0) and alone.
     where = np.flatnonzero(ids == 1)

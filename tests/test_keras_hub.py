@@ -370,10 +370,30 @@ def _assert_close(actual, expected, **kwargs):
         np.testing.assert_allclose(a, e, atol=ATOL, rtol=1e-5, **kwargs)
 
 
+class _Pair:
+    """Model `name` of the zoo and its swap (`_pair`), unpacked as `name, model,
+    swapped`, and the built-in model's outputs on `_inputs(case, model)`, computed
+    once (the train test sets its weights back; the LoRA test, which changes it for
+    good, is the pair's last)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.model, self.swapped = _pair(name)
+        self._outputs = None
+
+    def __iter__(self):
+        return iter((self.name, self.model, self.swapped))
+
+    def outputs(self):
+        if self._outputs is None:
+            inputs = _inputs(ZOO[self.name], self.model)
+            self._outputs = _numpy_tree(_backbone(self.model)(inputs))
+        return self._outputs
+
+
 @pytest.fixture(scope="module", params=list(ZOO))
 def pair(request):
-    model, swapped = _pair(request.param)
-    return request.param, model, swapped
+    return _Pair(request.param)
 
 
 # --------------------------------------------------------------------------- tests
@@ -388,8 +408,7 @@ def test_swap_moves_every_attention_layer(pair):
 def test_outputs_match(pair):
     name, model, swapped = pair
     inputs = _inputs(ZOO[name], model)
-    expected = _numpy_tree(_backbone(model)(inputs))
-    _assert_close(_numpy_tree(_backbone(swapped)(inputs)), expected)
+    _assert_close(_numpy_tree(_backbone(swapped)(inputs)), pair.outputs())
 
 
 @pytest.mark.parametrize("pair", [n for n, case in ZOO.items() if case.generates], indirect=True)
@@ -420,7 +439,7 @@ def test_saved_swap_loads_with_only_keras_mha_attention(pair, tmp_path):
     assert layers and all(isinstance(x, keras_mha.MultiHeadAttention) for _, x in layers)
     assert not any(isinstance(x, swapping.BUILTIN) for _, x in layers)
     inputs = _inputs(ZOO[name], model)
-    _assert_close(_numpy_tree(_backbone(loaded)(inputs)), _numpy_tree(_backbone(model)(inputs)))
+    _assert_close(_numpy_tree(_backbone(loaded)(inputs)), pair.outputs())
 
 
 def test_train_step_gives_the_same_loss_and_weights(pair):
@@ -428,11 +447,12 @@ def test_train_step_gives_the_same_loss_and_weights(pair):
     gradients), with the weights moved."""
     name, model, swapped = pair
     inputs = _inputs(ZOO[name], model, seed=2)
+    # Zeros shaped as the outputs (those of any seed's inputs: one shape).
+    targets = keras.tree.map_structure(np.zeros_like, pair.outputs())
     losses, updated = [], []
     for candidate in (model, swapped):
         backbone = _backbone(candidate)
         weights = backbone.get_weights()
-        targets = keras.tree.map_structure(np.zeros_like, _numpy_tree(backbone(inputs)))
         backbone.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", run_eagerly=RUN_EAGERLY)
         losses.append(backbone.train_on_batch(inputs, targets, return_dict=True)["loss"])
         updated.append(backbone.get_weights())
@@ -460,8 +480,8 @@ def test_enable_lora_gives_the_same_trainable_weights_and_trains(pair):
     backbone = _backbone(swapped)
     inputs = _inputs(ZOO[name], model, seed=3)
     rng = np.random.default_rng(4)
-    targets = keras.tree.map_structure(
-        lambda y: rng.standard_normal(y.shape).astype(y.dtype), _numpy_tree(backbone(inputs))
+    targets = keras.tree.map_structure(  # shaped as the outputs (LoRA keeps their shapes)
+        lambda y: rng.standard_normal(y.shape).astype(y.dtype), pair.outputs()
     )
     backbone.compile(
         optimizer=keras.optimizers.SGD(0.01, clipnorm=1.0), loss="mse", run_eagerly=RUN_EAGERLY
