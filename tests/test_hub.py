@@ -630,14 +630,12 @@ def _trainer(task):
 
 
 def _logits(model, inputs):
-    """`model`'s logits; on JAX through `predict_on_batch` (one compiled program per
-    model: eager JAX compiles each op of a call one by one, slower), a call on the
-    others."""
+    """`model`'s logits, from an eager call (on JAX, its ops compile one by one, and
+    the zoo's tiny models share most of them: a compiled `predict_on_batch` per model
+    made this file slower in `make test`)."""
     forward = FORWARD.get(type(model).__name__)
     if forward is not None:
         return to_numpy(forward(model, inputs))
-    if keras.backend.backend() == "jax":
-        return to_numpy(model.predict_on_batch(inputs))
     return to_numpy(model(inputs))
 
 
@@ -1151,7 +1149,6 @@ def test_t5gemma2_merged_attention_prefill_and_decoding(index):
 def _corrected(swapped):
     for _, layer in swapping.attention_layers(swapped):
         layer.corrected = True
-    swapped.predict_function = None  # compiled (`_logits` on JAX) before the change
     return swapped
 
 
