@@ -28,8 +28,9 @@ ROW = 16  # tokens per packed row
 PACKED = ["llama", "gpt_oss", "gemma3"]
 # The other families whose blocks describe their masks, checked on fewer examples (the
 # test's time): Gemma 1, Gemma 2 (soft-caps, a window on the first of two layers),
-# SmolLM3, Qwen-MoE and Qwen3-MoE (a window, MoE routing per token).
-ALSO_PACKED = ["gemma", "gemma2", "smollm3", "qwen_moe", "qwen3_moe"]
+# SmolLM3, Qwen-MoE and Qwen3-MoE (a window, MoE routing per token), GPT-NeoX (partial
+# rotary).
+ALSO_PACKED = ["gemma", "gemma2", "smollm3", "qwen_moe", "qwen3_moe", "gpt_neo_x"]
 
 
 def _qwen_moe():
@@ -74,12 +75,7 @@ def _models(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         swapped = keras_mha.swap(model)
-    if name == "qwen_moe":
-        # keras-hub 0.32's `QwenMoeBackbone.get_config` drops `router_aux_loss_coefficient`,
-        # so the swapped model (rebuilt from its config) has the default, 0.001, back.
-        for block in swapped.backbone.transformer_layers:
-            block.mlp.router_aux_loss_coefficient = 0.0
-    hub.set_packed(swapped)
+    hub.set_packed(swapped)  # (the swap carries Qwen-MoE's coefficient: `hub.CONFIG_GAPS`)
     # Compiled once: every step below takes rows of ROW tokens (one trace per model).
     swapped.compile(optimizer=keras.optimizers.SGD(1.0), loss=_loss(), run_eagerly=RUN_EAGERLY)
     return model, swapped

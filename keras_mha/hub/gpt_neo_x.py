@@ -41,7 +41,7 @@ def _call(
     output = layer.attention(
         hidden_states,
         hidden_states,
-        attention_mask=attention_mask,
+        **common.mask_arguments(attention_mask),
         cache=cache,
         cache_update_index=cache_update_index,
         training=training,
@@ -68,6 +68,7 @@ ADAPTERS = {
         call=_call,
         weights=_weights,
         with_layer=True,
+        decoder_mask=common.causal_decoder_mask,
         notes=(
             "Its fused `query_key_value` `(dim, N, 3H)` (each head's query, key and value "
             "adjacent) split into our three projections.",
