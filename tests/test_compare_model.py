@@ -1,7 +1,9 @@
 """`compare.compare_model` and `compare.swap_file` (what `keras-mha compare --model` and
 `keras-mha swap` run in each backend's process), here in this process."""
 
+import json
 import os
+import zipfile
 from pathlib import Path
 
 import keras
@@ -260,6 +262,29 @@ def test_swap_file_writes_a_file_that_loads_swapped(saved, tmp_path):
     assert [row["status"] for row in result["layers"]] == [swapping.SWAPPED] * 2
     loaded = keras.saving.load_model(out, safe_mode=True)
     assert type(loaded.get_layer("block").att) is keras_mha.MultiHeadAttention
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch.compile is torch's")
+def test_a_file_compiled_with_jit_compile_is_checked_without_torch_compile(
+    saved, tmp_path, monkeypatch
+):
+    """A file compiled with `jit_compile=True` (as `"auto"` saves it under JAX): on
+    torch the check runs eagerly (a `torch.compile` per model costs tens of seconds
+    on a CPU), and the swapped file keeps the file's compile settings."""
+    model = keras.saving.load_model(saved["classifier"])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=True)
+    path, out = str(tmp_path / "jit.keras"), str(tmp_path / "out.keras")
+    model.save(path)
+    import torch
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the check ran torch.compile")
+
+    monkeypatch.setattr(torch, "compile", refused)
+    result = compare.swap_file(path, out, IMPORTS)
+    assert result["passed"] is True
+    with zipfile.ZipFile(out) as written:
+        assert json.loads(written.read("config.json"))["compile_config"]["jit_compile"] is True
 
 
 def test_swap_file_reports_a_difference_above_tolerance(saved, tmp_path):

@@ -304,8 +304,8 @@ def _load_pair(path, imports, inputs, seed, which=None):
     from keras_mha import swapping, user_model
 
     user_model.import_modules(imports)
-    builtin = None if which == "ours" else user_model.load(path)
-    ours = None if which == "builtin" else user_model.load(path, swapped=True)
+    builtin = None if which == "ours" else _load_eager_on_torch(path)
+    ours = None if which == "builtin" else _load_eager_on_torch(path, swapped=True)
     model = builtin if builtin is not None else ours
     specs = user_model.input_specs(model, path, required=inputs is None)
     if inputs is None:
@@ -322,6 +322,23 @@ def _load_pair(path, imports, inputs, seed, which=None):
                 f"{path}: no keras.layers.MultiHeadAttention to swap ({swapping.describe(rows)})"
             )
     return builtin, ours, rows, arrays, specs
+
+
+def _load_eager_on_torch(path, swapped=False):
+    """`user_model.load`; on torch, with `jit_compile` off for this check. A file saved
+    under JAX (or compiled with `jit_compile=True`) loads compiled, and its first
+    predict on torch is a `torch.compile` of the whole model: about 25 s per model on
+    a CPU for a check on two rows. The check runs torch eagerly, as Keras's
+    `jit_compile="auto"` (and this module's timing) do there; the compile settings
+    written with the swapped file are the file's own."""
+    import keras
+
+    from keras_mha import user_model
+
+    model = user_model.load(path, swapped=swapped)
+    if keras.backend.backend() == "torch":
+        model.jit_compile = False
+    return model
 
 
 def _describe(rows):
