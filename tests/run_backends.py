@@ -48,26 +48,27 @@ FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
 
 
 # The test runs compile many small XLA programs and run each once or twice, so they
-# compile the fast way: LLVM's optimisations off (the shapes are tiny: compiling is most
-# of a JAX test's time), and JAX's persistent cache in one folder per `make test`, which
-# compiles a program that another test (or a subprocess) compiled already only once
-# (programs that compile in under 0.1 s, most eager ops, are not worth the writing).
-# It locks its files (a size limit turns the locking on): processes share it safely.
-# Not for the notebooks: their training cells run long enough that unoptimised code
-# costs more than it saves (notebook 07: 89 -> 165 s). They get a cache alone, for
-# every program, in a folder of their own with no size limit (so no eviction and no
-# locking, which the thousands of eager ops notebook 07 writes made slow: 07 took 117 s
-# in the shared, limited cache): notebook 06's `keras-mha compare` child then reads the
-# eager ops its `keras-mha swap` child compiled (notebook 06: 93 -> 60 s). (Every
-# program in the test runs costs more than it saves there: test_layer and
-# test_layer_features on JAX 82 -> 91 s.)
+# compile the fast way (`FAST_COMPILE_FLAGS`): LLVM's optimisations off (the shapes are
+# tiny: compiling is most of a JAX test's time), one LLVM module per program, not split
+# for parallel code generation (the programs are small and the two runs keep both cores
+# busy); and JAX's persistent cache in one folder per `make test`, which compiles a
+# program that another test (or a subprocess) compiled already only once (programs that
+# compile in under 0.1 s, most eager ops, are not worth the writing). It locks its files
+# (a size limit turns the locking on): processes share it safely.
+# The notebooks get a cache alone, for every program, in a folder of their own with no
+# size limit (so no eviction and no locking, which the thousands of eager ops notebook 07
+# writes made slow: 07 took 117 s in the shared, limited cache): notebook 06's
+# `keras-mha compare` child then reads the eager ops its `keras-mha swap` child compiled
+# (notebook 06: 93 -> 60 s). (Every program in the test runs costs more than it saves
+# there: test_layer and test_layer_features on JAX 82 -> 91 s.) Whether a notebook
+# compiles the fast way is `tests/test_notebooks.py`'s: all but those whose training
+# cells run long enough that optimised code pays. Measured: the Benchmarks page,
+# "Test-suite times".
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+
+
 def _fast_compile_env(cache_dir):
-    # One LLVM module per program, not split for parallel code generation: the
-    # programs are small and the two runs keep both cores busy. Not for the
-    # notebooks, whose programs are optimised (slower there). Measured: the
-    # Benchmarks page, "Test-suite times".
-    flags = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
-    return {**_xla_flags_env(flags), **_cache_env(cache_dir, 0.1)}
+    return {**_xla_flags_env(FAST_COMPILE_FLAGS), **_cache_env(cache_dir, 0.1)}
 
 
 def _xla_flags_env(flags=""):
