@@ -12,9 +12,12 @@ and torch:
 `create_block_mask` evaluates it once, eagerly, a few rows of query blocks at a time
 (never the whole `(T, S)` grid), and records for every (query block, key block) pair
 whether it is empty (no query sees any key: never computed), full (every query sees
-every key: no mask needed) or partial. The `BlockMask` is plain NumPy plus the
-function: build it once, pass it to every layer and every step. Kernels read it
-through `masks.AttentionMask.block_mask`, ANDed with the call's other masks.
+every key: no mask needed) or partial. The named patterns `causal`, `sliding_window`
+and `prefix_lm` are classified from each block's first and last positions instead,
+without evaluating an entry: the same map, from `(T / q_block) x (S / kv_block)` pairs.
+The `BlockMask` is plain NumPy plus the function: build it once, pass it to every layer
+and every step. Kernels read it through `masks.AttentionMask.block_mask`, ANDed with the
+call's other masks.
 
 Positions are absolute: with a KV cache, `q_idx` is `cache_update_index + t`, so the
 block mask of a decoder is built for `T = S = max_length`.
@@ -269,6 +272,12 @@ def create_block_mask(mask_mod, B, H, T, S, block_size=128):
     q_block, kv_block = block_size
     lead = (B or 1, H or 1)
     nq, nk = math.ceil(T / q_block), math.ceil(S / kv_block)
+    if isinstance(mask_mod, MaskMod) and mask_mod.name in _BLOCK_KINDS:
+        queries, keys = _block_bounds(T, q_block), _block_bounds(S, kv_block)
+        bounds = (*queries[:, :, None], *keys[:, None, :])
+        by_block = _BLOCK_KINDS[mask_mod.name](*bounds, **mask_mod.config)
+        kinds = np.broadcast_to(by_block.astype(np.int8), lead + (nq, nk)).copy()
+        return BlockMask(mask_mod, kinds, T, S, block_size, B, H)
     kinds = np.empty(lead + (nq, nk), np.int8)
     draft = BlockMask(mask_mod, np.ones(lead + (nq, nk), np.int8), T, S, block_size, B, H)
     for start, size in _row_steps(T, draft._row_step()):
@@ -281,6 +290,16 @@ def create_block_mask(mask_mod, B, H, T, S, block_size=128):
 
 def _row_steps(length, step):
     return [(start, min(step, length - start)) for start in range(0, length, step)]
+
+
+def _block_bounds(length, block):
+    """`(2, n)` int64: each block's first and last position."""
+    first = np.arange(0, length, block, dtype=np.int64)
+    return np.stack([first, np.minimum(first + block, length) - 1])
+
+
+def _kinds(every, some):
+    return np.where(every, FULL, np.where(some, PARTIAL, EMPTY))
 
 
 def _evaluate(mask_mod, lead, start, size, mask):
@@ -408,6 +427,30 @@ _PATTERNS = {
     "document": _document,
     "and": _combined(ops.logical_and),
     "or": _combined(ops.logical_or),
+}
+
+
+# Named patterns whose block map follows from each block's bounds: name -> a function of
+# the query blocks' first and last positions `(qs, qe)` and the key blocks' `(ks, ke)`
+# (broadcast arrays) and the pattern's arguments, returning the blocks' kinds. Exact:
+# over a block, `q - kv` takes every value from `qs - ke` to `qe - ks`.
+def _causal_kinds(qs, qe, ks, ke):
+    return _kinds(qs >= ke, qe >= ks)
+
+
+def _sliding_window_kinds(qs, qe, ks, ke, left, right):
+    low, high = qs - ke, qe - ks  # the block's range of `q - kv`
+    return _kinds((low >= -right) & (high <= left), (high >= -right) & (low <= left))
+
+
+def _prefix_lm_kinds(qs, qe, ks, ke, prefix_length):
+    return _kinds(ke <= np.maximum(prefix_length - 1, qs), (ks < prefix_length) | (qe >= ks))
+
+
+_BLOCK_KINDS = {
+    "causal": _causal_kinds,
+    "sliding_window": _sliding_window_kinds,
+    "prefix_lm": _prefix_lm_kinds,
 }
 
 

@@ -8,10 +8,12 @@ the dense mask; the layer with GQA and a KV cache; and the blocks a compiled loo
 visits are counted.
 """
 
+import hypothesis
 import keras
 import numpy as np
 import pytest
 from helpers import BACKEND, compiled, fingerprint, to_numpy, value_and_grads
+from hypothesis import strategies as st
 from keras import ops
 from reference import reference_attention
 
@@ -227,6 +229,34 @@ def test_and_or_masks_and_named_patterns():
     docs = bm_lib.create_block_mask(bm_lib.document(ids), None, None, t, s, block_size=4)
     np.testing.assert_array_equal(docs.to_dense()[0, 0], (ids[:, None] == ids) & (q >= k))
     assert docs.density < 1.0 and "BlockMask" in repr(docs) and "." in docs.picture()
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(
+    lengths=st.tuples(st.integers(1, 40), st.integers(1, 40)),
+    blocks=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+    pattern=st.sampled_from(["causal", "sliding_window", "prefix_lm"]),
+    arguments=st.tuples(st.integers(0, 12), st.integers(0, 12)),
+)
+# Blocks whose range of `q - kv` ends exactly at the window's edges.
+@hypothesis.example(lengths=(8, 8), blocks=(2, 2), pattern="sliding_window", arguments=(3, 0))
+@hypothesis.example(lengths=(8, 8), blocks=(2, 2), pattern="sliding_window", arguments=(1, 3))
+def test_named_patterns_block_maps_from_their_bounds_equal_their_evaluation(
+    lengths, blocks, pattern, arguments
+):
+    """`causal`, `sliding_window` and `prefix_lm` are classified without evaluating an
+    entry: the same map as evaluating the same function entry by entry."""
+    named = {
+        "causal": bm_lib.causal(),
+        "sliding_window": bm_lib.sliding_window(*arguments),
+        "prefix_lm": bm_lib.prefix_lm(arguments[0]),
+    }[pattern]
+    t, s = lengths
+    fast = bm_lib.create_block_mask(named, None, None, t, s, block_size=blocks)
+    evaluated = bm_lib.create_block_mask(
+        lambda b, h, q, k: named(b, h, q, k), None, None, t, s, block_size=blocks
+    )
+    np.testing.assert_array_equal(fast.kinds, evaluated.kinds)
 
 
 def test_create_block_mask_rejects_bad_arguments():
