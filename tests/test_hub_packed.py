@@ -29,8 +29,17 @@ PACKED = ["llama", "gpt_oss", "gemma3"]
 # The other families whose blocks describe their masks, checked on fewer examples (the
 # test's time): Gemma 1, Gemma 2 (soft-caps, a window on the first of two layers),
 # SmolLM3, Qwen-MoE and Qwen3-MoE (a window, MoE routing per token), GPT-NeoX (partial
-# rotary).
-ALSO_PACKED = ["gemma", "gemma2", "smollm3", "qwen_moe", "qwen3_moe", "gpt_neo_x"]
+# rotary), Bloom and Falcon (ALiBi).
+ALSO_PACKED = [
+    "gemma",
+    "gemma2",
+    "smollm3",
+    "qwen_moe",
+    "qwen3_moe",
+    "gpt_neo_x",
+    "bloom",
+    "falcon",
+]
 
 
 def _qwen_moe():

@@ -47,14 +47,43 @@ def alibi(num_heads, key_length, dtype):
 
 
 def _call(attention, hidden_states, attention_mask=None, cache=None, cache_update_index=None):
+    """keras-hub's ALiBi reads the keys' absolute positions: in a packed row, each
+    document's keys are shifted by its start, the same for every key a query sees, so
+    its softmax is the one it gets alone."""
     length = ops.shape(hidden_states)[1] if cache is None else ops.shape(cache)[2]
     return attention(
         hidden_states,
         hidden_states,
-        attention_mask=attention_mask,
+        **common.mask_arguments(attention_mask),
         cache=cache,
         cache_update_index=cache_update_index,
         attention_bias=alibi(attention.num_heads, length, attention.compute_dtype),
+    )
+
+
+def _decoder_mask(
+    decoder,
+    decoder_sequence,
+    decoder_padding_mask=None,
+    decoder_attention_mask=None,
+    use_causal_mask=True,
+    cache=None,
+    cache_update_index=None,
+):
+    """`BloomDecoder._compute_attention_mask`, described where it is causal (always, in
+    keras-hub's models); without causality, keras-hub's own dense mask."""
+    if not use_causal_mask:
+        return type(decoder)._compute_attention_mask(
+            decoder,
+            decoder_sequence,
+            decoder_padding_mask,
+            decoder_attention_mask,
+            use_causal_mask,
+            cache,
+            cache_update_index,
+        )
+    return common.causal_decoder_mask(
+        decoder, decoder_sequence, decoder_padding_mask, decoder_attention_mask
     )
 
 
@@ -72,6 +101,7 @@ ADAPTERS = {
         options=_options,
         call=_call,
         weights=_weights,
+        decoder_mask=common.DescribedDecoder(_decoder_mask, method="_compute_attention_mask"),
         notes=(
             "ALiBi (keras-hub's `AlibiBias`: slopes `2 ** (-8 i / N)`, keys' absolute "
             "positions, after the scale) as `attention_bias`.",
