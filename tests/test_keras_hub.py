@@ -458,12 +458,14 @@ def test_train_step_gives_the_same_loss_and_weights(pair):
         updated.append(backbone.get_weights())
         backbone.set_weights(weights)
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, atol=ATOL)
-    # Weights after a step on gradients equal up to float32 rounding.
-    moved = 0.0
-    for ours, builtin, before in zip(updated[1], updated[0], weights):
-        np.testing.assert_allclose(ours, builtin, rtol=1e-3, atol=1e-5)
-        moved = max(moved, float(np.abs(builtin - before).max()))
+    # The step's change of each weight (the rate times its gradient), equal up to the
+    # float32 rounding of the weights it is added to: compared as changes, not as the
+    # weights after it, which a missing gradient moves by no more than that change.
+    steps = [[after - before for after, before in zip(side, weights)] for side in updated]
+    moved = max(float(np.abs(step).max()) for step in steps[0])
     assert moved > 1e-6  # the step changed the weights
+    for ours, builtin in zip(*reversed(steps)):
+        np.testing.assert_allclose(ours, builtin, rtol=1e-2, atol=1e-4 * moved)
 
 
 def test_enable_lora_gives_the_same_trainable_weights_and_trains(pair):
