@@ -113,9 +113,11 @@ def fresh_venv(tmp_path_factory):
 
 
 def _pip(bin_dir, requirement):
+    """`pip install` into the new environment, without compiling every installed module
+    to bytecode (a module compiles when first imported: 18 -> 8 s for `[jax]`)."""
     done = subprocess.run(
         [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        + ["-c", str(ROOT / "constraints.txt"), requirement],
+        + ["--no-compile", "-c", str(ROOT / "constraints.txt"), requirement],
         capture_output=True,
         text=True,
     )
