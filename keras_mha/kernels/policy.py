@@ -127,7 +127,12 @@ POLICIES = {
     ),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
     ("jax", "cpu"): Policy(
-        "chunked", chunk_size=512, key_block=256, loop=True, sizes_from_data=False
+        "chunked",
+        chunk_size=512,
+        key_block=256,
+        explicit_up_to=1 << 16,
+        loop=True,
+        sizes_from_data=False,
     ),
     ("jax", "gpu"): Policy(
         "fused",
