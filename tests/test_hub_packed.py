@@ -208,6 +208,23 @@ def test_a_packed_gemma3_refuses_a_vision_mask():
         block._compute_attention_mask(x, ids, np.ones_like(ids), None, 0)
 
 
+def test_a_packed_qwen3_5_refuses_when_called():
+    """Qwen3.5's full-attention blocks describe their masks (as Llama's), but its
+    linear-attention blocks carry a recurrent state across documents: `set_packed`
+    takes the model, and a call says why it cannot pack, naming `padding_mask`."""
+    keras.utils.set_random_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = keras_mha.swap(ZOO["qwen3_5"].build())
+    hub.set_packed(swapped)
+    ids = np.repeat([[1, 2]], ROW // 2, axis=1).astype("int32")
+    inputs = ZOO["qwen3_5"].inputs(np.ones_like(ids), ids)
+    with pytest.raises(ValueError, match="argument `padding_mask`.*recurrent state"):
+        swapped(inputs)
+    hub.set_packed(swapped, False)
+    assert np.isfinite(to_numpy(swapped(inputs))).all()
+
+
 @pytest.mark.parametrize("name", ["qwen_moe", "qwen3_moe"])
 def test_the_moe_router_reads_of_a_described_mask_what_it_reads_of_the_dense_one(name):
     """The sparse MoE block of Qwen-MoE and Qwen3-MoE reads its decoder's mask only as

@@ -143,6 +143,12 @@ def _described(spec, layer, packed, *args, **kwargs):
     mask = spec(layer, *args, **kwargs)
     if not packed:
         return mask
+    if spec.not_packed:
+        raise ValueError(
+            "Received an invalid value for argument `padding_mask`, expected a padding "
+            f"mask: decoder block {layer.name} cannot take packed rows ({spec.not_packed}). "
+            "Received: padding_mask=<document ids>"
+        )
     if not isinstance(mask, common.DecoderMask):
         raise ValueError(
             "Received an invalid value for argument `padding_mask`, expected document "

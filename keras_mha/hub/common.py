@@ -49,12 +49,16 @@ class DescribedDecoder:
             mask too (a router's load-balancing loss), called with `attention_mask`:
             while the block's mask is described, `reduce(mask, inputs)` gives them what
             they read instead of the `DecoderMask`.
+        not_packed: `None`, or why the model cannot take packed rows although its
+            attention's mask is described (`set_packed`'s model then raises when
+            called).
     """
 
     mask: callable
     method: str = "_compute_self_attention_mask"
     decoders: tuple = ()
     sublayers: tuple = ()
+    not_packed: str = None
 
     def __call__(self, decoder, *args, **kwargs):
         return self.mask(decoder, *args, **kwargs)

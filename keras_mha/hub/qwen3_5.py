@@ -58,7 +58,7 @@ def _call(
     return attention(
         hidden_states,
         hidden_states,
-        attention_mask=attention_mask,
+        **common.mask_arguments(attention_mask),
         cache=cache,
         cache_update_index=cache_update_index,
         training=training,
@@ -79,11 +79,21 @@ def _weights(layer):
     }
 
 
+# Its full-attention blocks compute their mask as Llama's do; its linear-attention
+# (gated delta-rule) blocks carry a recurrent state along the whole row.
+_DECODER = common.DescribedDecoder(
+    common.causal_decoder_mask,
+    not_packed=(
+        "its linear-attention layers carry a recurrent state along the whole row, across documents"
+    ),
+)
+
 ADAPTERS = {
     "keras_hub.src.models.qwen3_5.qwen3_5_attention.Qwen3_5Attention": Entry(
         options=_options,
         call=_call,
         weights=_weights,
+        decoder_mask=_DECODER,
         notes=(
             "Its query projection `(dim, N, 2H)` (each head's query, then its gate) split "
             "into our query and `use_gate` projections.",
