@@ -1,8 +1,6 @@
 """Bloom: `BloomAttention` (ALiBi computed inside the attention, as keras-hub's
 `AlibiBias` does)."""
 
-import math
-
 from keras import ops
 
 from keras_mha.hub import common, layout
@@ -24,28 +22,6 @@ def _options(config, dim):
     )
 
 
-def alibi_slopes(num_heads, max_bias=8):
-    """ALiBi's per-head slopes: a geometric sequence from `2 ** (-max_bias / n)` with
-    that ratio for the `n` (a power of 2) first heads, the odd ones of `2n` after."""
-
-    def power_of_2(n):
-        start = 2 ** (-(2 ** -(math.log2(n) - math.log2(max_bias))))
-        return [start * start**i for i in range(n)]
-
-    if math.log2(num_heads).is_integer():
-        return power_of_2(num_heads)
-    closest = 2 ** math.floor(math.log2(num_heads))
-    return power_of_2(closest) + alibi_slopes(2 * closest, max_bias)[0::2][: num_heads - closest]
-
-
-def alibi(num_heads, key_length, dtype):
-    """`(1, N, 1, S)`: slope times `s - (S - 1)` (keras-hub's `AlibiBias`, added after
-    the scale; with a cache, `S` is its length)."""
-    slopes = ops.convert_to_tensor(alibi_slopes(num_heads), dtype=dtype)
-    distance = ops.cast(ops.arange(1 - key_length, 1, dtype="int32"), dtype)
-    return ops.multiply(slopes[:, None], distance[None, :])[None, :, None, :]
-
-
 def _call(attention, hidden_states, attention_mask=None, cache=None, cache_update_index=None):
     """keras-hub's ALiBi reads the keys' absolute positions: in a packed row, each
     document's keys are shifted by its start, the same for every key a query sees, so
@@ -57,7 +33,7 @@ def _call(attention, hidden_states, attention_mask=None, cache=None, cache_updat
         **common.mask_arguments(attention_mask),
         cache=cache,
         cache_update_index=cache_update_index,
-        attention_bias=alibi(attention.num_heads, length, attention.compute_dtype),
+        attention_bias=common.alibi(attention.num_heads, length, attention.compute_dtype),
     )
 
 

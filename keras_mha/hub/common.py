@@ -2,6 +2,7 @@
 call protocol and its masks described, initializers cloned as keras-hub clones them."""
 
 import dataclasses
+import math
 
 from keras import ops
 
@@ -193,3 +194,26 @@ def self_attention(
         training=training,
         **mask_arguments(attention_mask),
     )
+
+
+# keras-hub's ALiBi (Bloom's `AlibiBias`, Falcon's `_build_alibi_tensor`: the same slopes).
+def alibi_slopes(num_heads, max_bias=8):
+    """ALiBi's per-head slopes: a geometric sequence from `2 ** (-max_bias / n)` with
+    that ratio for the `n` (a power of 2) first heads, the odd ones of `2n` after."""
+
+    def power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - math.log2(max_bias))))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_2(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return power_of_2(closest) + alibi_slopes(2 * closest, max_bias)[0::2][: num_heads - closest]
+
+
+def alibi(num_heads, key_length, dtype):
+    """`(1, N, 1, S)`: slope times `s - (S - 1)` (keras-hub's `AlibiBias`; Bloom adds it
+    after the scale, Falcon on packed rows; with a cache, `S` is its length)."""
+    slopes = ops.convert_to_tensor(alibi_slopes(num_heads), dtype=dtype)
+    distance = ops.cast(ops.arange(1 - key_length, 1, dtype="int32"), dtype)
+    return ops.multiply(slopes[:, None], distance[None, :])[None, :, None, :]

@@ -4,7 +4,7 @@ import math
 
 from keras import ops
 
-from keras_mha.hub import bloom, common, layout
+from keras_mha.hub import common, layout
 from keras_mha.hub.adapter import Entry
 
 
@@ -29,7 +29,7 @@ def _call(attention, inputs, alibi, attention_mask=None, cache=None, cache_updat
     is the one it gets alone)."""
     if isinstance(attention_mask, common.DecoderMask) and attention_mask.segment_ids is not None:
         length = ops.shape(inputs)[1] if cache is None else ops.shape(cache)[2]
-        alibi = bloom.alibi(attention.num_heads, length, attention.compute_dtype)
+        alibi = common.alibi(attention.num_heads, length, attention.compute_dtype)
     scale = ops.cast(1.0 / math.sqrt(attention.key_dim), attention.compute_dtype)
     return attention(
         inputs,
