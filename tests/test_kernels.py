@@ -559,6 +559,46 @@ def test_explicit_scores_come_out_in_their_layout(rng):
     assert _layout_copies(run, (q, k, v), scores) == []
 
 
+def test_explicit_kernel_as_one_einsum_op_each_is_the_same_attention(rng):
+    """`one_op_einsum` (the policy's small calls) gives the same output and gradients
+    as Keras's `ops.einsum`, padded rows included; on TensorFlow each product is then
+    one `Einsum` op with no `Transpose` around it, which Keras's rewrite adds."""
+    q, k, v = _inputs(rng, 5, 7)
+    mask = MASKS["causal+padding"](5, 7)
+
+    def run(one_op):
+        def fn(q, k, v):
+            kwargs = dict(scale=0.5, equations=EQUATIONS, mask=_tensorize(mask))
+            return explicit.attention(q, k, v, **kwargs, empty_rows="mean", one_op_einsum=one_op)[0]
+
+        return fn
+
+    expected, expected_grads = value_and_grads(run(False), (q, k, v))
+    got, grads = value_and_grads(run(True), (q, k, v))
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    for g, e in zip(grads, expected_grads):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def op_types(one_op):
+            specs = [tf.TensorSpec(a.shape, a.dtype) for a in (q, k, v)]
+            graph = tf.function(run(one_op)).get_concrete_function(*specs).graph
+            return [op.type for op in graph.get_operations()]
+
+        assert op_types(True).count("Einsum") == 2 and "Transpose" not in op_types(True)
+        assert "Einsum" not in op_types(False) and "Transpose" in op_types(False)
+
+
+def test_policy_runs_one_einsum_op_only_for_small_known_calls():
+    rules = kernels.policy.Policy("chunked", one_op_einsum_up_to=100)
+    one_op, call = kernels.policy.one_op_einsum, kernels.policy.Call
+    assert one_op(call(score_entries=100), rules)
+    assert not one_op(call(score_entries=101), rules)
+    assert not one_op(call(score_entries=None), rules)  # unknown while tracing
+    assert not one_op(call(score_entries=4), kernels.policy.Policy("chunked"))
+
+
 def test_explicit_product_of_any_equation_gives_the_builtins_scores(rng):
     """The query-first product equals the built-in's `einsum(equation, key, query)`,
     for the layer's equations and for an equation without `->` (a subclass may

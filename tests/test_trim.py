@@ -129,6 +129,20 @@ def test_nothing_is_cut_where_nothing_can_be():
     assert _cut(masks.AttentionMask(key_valid=_valid([0], 12)), 1, 12, 12) is None
 
 
+def test_a_call_left_whole_costs_no_device_op(monkeypatch):
+    """Where nothing is cut (a small model's padded batch, one row whole), the cut is
+    found on the host: no mask is sliced on the device (a fixed cost per call)."""
+    full = masks.AttentionMask(query_valid=_valid([12, 5], 12), key_valid=_valid([12, 5], 12))
+    q, k, _ = (ops.convert_to_tensor(x) for x in _inputs(np.random.default_rng(0), 2, 12, 12))
+    sliced = []
+    original = masks.slice_along
+    monkeypatch.setattr(masks, "slice_along", lambda *a: sliced.append(a) or original(*a))
+    assert trim.cut(q, k, full, dropout=False) is None
+    assert sliced == []
+    assert trim.cut(q, k, masks.AttentionMask(query_valid=_valid([9, 5], 12)), dropout=False)
+    assert sliced  # the check sees a cut's slices
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch.jit.trace is torch's")
 def test_a_torch_trace_is_never_cut():
     """`torch.jit.trace` (OpenVINO's export of a torch model) would keep a cut's sizes

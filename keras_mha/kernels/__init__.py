@@ -136,6 +136,7 @@ def attention(
             dropout=dropout,
             seed=seed if dropping else None,
             empty_rows=empty_rows,
+            one_op_einsum=policy.one_op_einsum(call, rules),
         )
     if kernel == "fused":
         output = fused.attention(

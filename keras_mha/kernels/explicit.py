@@ -26,6 +26,7 @@ def attention(
     dropout=0.0,
     seed=None,
     empty_rows="zero",
+    one_op_einsum=False,
 ):
     """Attention with the full scores; returns `(output, scores)`.
 
@@ -47,16 +48,19 @@ def attention(
         seed: int `(2,)` tensor seeding the dropout mask.
         empty_rows: what a row with no visible key gets: "zero" weights, or
             uniform ones ("mean", without sinks).
+        one_op_einsum: the two products run as one backend einsum op each
+            (`policy.one_op_einsum`), not as Keras's `ops.einsum` writes them.
 
     Returns:
         output `(B, ..., N, Hv)` and scores `(<batch dims>, <T dims>, <S dims>)` (the
         weights before dropout), both in the value's dtype.
     """
     dot_product, combine, num_axes = equations
+    einsum = _one_op_einsum if one_op_einsum else ops.einsum
     query = ops.multiply(query, ops.cast(scale, query.dtype))
     if backend.standardize_dtype(query.dtype) == "float16":  # logits could overflow
         query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
-    x = ops.cast(ops.einsum(*_query_first(dot_product, key, query)), "float32")
+    x = ops.cast(einsum(*_query_first(dot_product, key, query)), "float32")
     if soft_cap is not None:
         x, _ = logits_lib.soft_cap(x, soft_cap)
     if bias is not None:
@@ -80,7 +84,7 @@ def attention(
         cols = ops.arange(shape[-1], dtype="int32")
         keep = logits_lib.dropout_keep(seed, rows, cols, dropout)
         weights = ops.where(keep, weights / (1.0 - dropout), 0.0)
-    output = ops.einsum(combine, ops.cast(weights, value.dtype), value)
+    output = einsum(combine, ops.cast(weights, value.dtype), value)
     return output, scores
 
 
@@ -97,6 +101,16 @@ def _query_first(equation, key, query):
     operands, product = equation.split("->")
     key_letters, query_letters = operands.split(",")
     return f"{query_letters},{key_letters}->{product}", query, key
+
+
+def _one_op_einsum(equation, *operands):
+    """The backend's own einsum, one op: TensorFlow's `tf.einsum`, where Keras's
+    `ops.einsum` rewrites the attention products as transposes around a matmul."""
+    if backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.einsum(equation, *operands)
+    return ops.einsum(equation, *operands)
 
 
 def _dense(mask, query, key):

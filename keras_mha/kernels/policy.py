@@ -56,6 +56,12 @@ class Policy:
             would skip no key (its mask has no causal part or window, or its queries
             fit in one chunk): its backward keeps the weights where the chunked one
             recomputes them. Time over memory for small calls.
+        one_op_einsum_up_to: `None`, or the explicit kernel runs its two products as
+            one backend einsum op each (`tf.einsum`) in calls whose scores are known
+            when tracing and have at most this many entries. Keras's TensorFlow
+            `ops.einsum` writes them as transposes around a matmul: faster on larger
+            calls, but three graph ops for one, which a small model pays on every
+            call (benchmarks/results/small_tensorflow_einsum.md).
         loop: the chunked kernel visits its chunks in a compiled loop instead of
             unrolling them. XLA schedules unrolled chunks together and keeps all
             their buffers; a loop holds one chunk's. Its shapes are static: each
@@ -101,6 +107,7 @@ class Policy:
     chunk_bytes: int | None = None
     in_flight: int | None = None
     explicit_up_to: int | None = None
+    one_op_einsum_up_to: int | None = None
     loop: bool = False
     dynamic: bool = False
     trains: bool = True
@@ -122,6 +129,7 @@ POLICIES = {
         chunk_bytes=32 << 20,
         in_flight=2,
         explicit_up_to=1 << 22,
+        one_op_einsum_up_to=1 << 15,
         loop=True,
         dynamic=True,
     ),
@@ -317,6 +325,13 @@ def choose(requested, call, policy):
     if automatic and requested == "chunked" and _small(call, policy.explicit_up_to):
         requested = "explicit"
     return requested
+
+
+def one_op_einsum(call, policy):
+    """Whether the explicit kernel runs its products as one backend einsum op each
+    (`Policy.one_op_einsum_up_to`)."""
+    limit = policy.one_op_einsum_up_to
+    return limit is not None and call.score_entries is not None and call.score_entries <= limit
 
 
 def _small(call, limit):

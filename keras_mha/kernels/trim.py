@@ -68,7 +68,8 @@ def cut(query, key, mask, *, dropout):
     offset = mask.static_offset
     if not (isinstance(query_length, int) and isinstance(key_length, int)) or offset is None:
         return None
-    query_valid, key_valid = _host(mask.query_valid), _host(mask.key_valid)
+    query_valid = _host(mask.query_valid)
+    key_valid = query_valid if mask.key_valid is mask.query_valid else _host(mask.key_valid)
     query_ids = _host(mask.query_segments)
     key_ids = query_ids if mask.key_segments is mask.query_segments else None
     if key_ids is None:
@@ -78,23 +79,26 @@ def cut(query, key, mask, *, dropout):
     _, keys = mask.key_range(0, queries, _kept(key_length, key_valid, key_ids))
     if queries <= 0 or keys <= 0:
         return None  # no query sees a key: the kernels' own empty rows
+    # What the cut changes is found on the host first: a call it leaves as it is
+    # (most small ones) costs no device op.
     query_valid, key_valid = _head(query_valid, queries), _head(key_valid, keys)
+    keeps_queries = _keeps(query_valid)
+    keeps_keys = _keeps(key_valid)
+    if keeps_queries and keeps_keys and _hidden_by_causality(mask, key_valid, query_valid):
+        keeps_keys = False
+    dropped = (mask.query_valid is not None and not keeps_queries) or (
+        mask.key_valid is not None and not keeps_keys
+    )
+    if (queries, keys) == (query_length, key_length) and not dropped:
+        return None
     kept = dataclasses.replace(
         mask,
-        query_valid=_padding(mask.query_valid, query_valid, queries),
-        key_valid=_padding(mask.key_valid, key_valid, keys),
+        query_valid=_padding(mask.query_valid, keeps_queries, queries),
+        key_valid=_padding(mask.key_valid, keeps_keys, keys),
         dense=None if mask.dense is None else masks_lib.block_of(mask.dense, 0, queries, 0, keys),
         query_segments=_ids(mask.query_segments, queries),
         key_segments=_ids(mask.key_segments, keys),
     )
-    if kept.query_valid is not None and kept.key_valid is not None:
-        if _hidden_by_causality(kept, key_valid, query_valid):
-            kept = dataclasses.replace(kept, key_valid=None)
-    dropped = (mask.query_valid is not None and kept.query_valid is None) or (
-        mask.key_valid is not None and kept.key_valid is None
-    )
-    if (queries, keys) == (query_length, key_length) and not dropped:
-        return None
     return Cut(queries, keys, kept)
 
 
@@ -147,14 +151,17 @@ def _hidden_by_causality(mask, keys, queries):
     return bool(prefix and np.all(~queries | before))
 
 
-def _padding(valid, host, length):
-    """A `(B, L)` padding mask cut to `length` positions; `None` where it keeps every
-    one (`host`: the cut mask on the host)."""
-    if valid is None:
+def _keeps(host):
+    """Whether a cut padding mask (on the host, or `None`) still hides a position."""
+    return host is not None and not host.astype(bool).all()
+
+
+def _padding(valid, keeps, length):
+    """A `(B, L)` padding mask cut to `length` positions; `None` where it hides no
+    position any more (`keeps` is False)."""
+    if valid is None or not keeps:
         return None
-    if valid.shape[1] != 1:
-        valid = masks_lib.slice_along(valid, 1, 0, length)
-    return None if host.astype(bool).all() else valid
+    return valid if valid.shape[1] == 1 else masks_lib.slice_along(valid, 1, 0, length)
 
 
 def _ids(segments, length):
