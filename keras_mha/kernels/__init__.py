@@ -80,7 +80,7 @@ def attention(
     dropping = seed is not None and dropout > 0.0
     rules = policy.current()
     cut = None
-    if rules.sizes_from_data and not return_scores:
+    if not return_scores and policy.looks_for_cut(_score_entries(query, key), mask, rules):
         cut = trim.cut(query, key, mask, dropout=dropping)
     if cut is not None:
         kept_query, kept_key, kept_value, kept_bias = cut.inputs(query, key, value, bias)

@@ -98,6 +98,13 @@ class Policy:
             a constant, whose key ranges and RoPE positions then are. Not on JAX,
             whose eager ops compile again for every new shape and constant: there
             the index becomes a tensor.
+        cut_from: an eager call without causality looks for padded tails to cut
+            (`sizes_from_data`) only where its scores have more than this many
+            entries, or an unknown number. The look (a host transfer of the
+            padding, then NumPy) costs about 100 us, on a small call as much as
+            all the padding it could cut; a causal call always looks, since a cut
+            can turn its padding into a plain causal call
+            (benchmarks/results/small_torch_cut.md).
     """
 
     kernel: str
@@ -117,6 +124,7 @@ class Policy:
     fold_key_padding: tuple = ()
     direct_projections: bool = False
     sizes_from_data: bool = True
+    cut_from: int = 0
 
 
 # (backend, device) -> Policy. The measurements behind each entry are in
@@ -152,7 +160,12 @@ POLICIES = {
         sizes_from_data=False,
     ),
     ("torch", "cpu"): Policy(
-        "fused", chunk_size=256, in_place_bias=True, fused_float16=True, direct_projections=True
+        "fused",
+        chunk_size=256,
+        in_place_bias=True,
+        fused_float16=True,
+        direct_projections=True,
+        cut_from=1 << 15,
     ),
     ("torch", "gpu"): Policy(
         "fused", chunk_size=512, in_place_bias=True, fused_float16=True, direct_projections=True
@@ -325,6 +338,16 @@ def choose(requested, call, policy):
     if automatic and requested == "chunked" and _small(call, policy.explicit_up_to):
         requested = "explicit"
     return requested
+
+
+def looks_for_cut(score_entries, mask, policy):
+    """Whether a call looks for padded tails to cut (`Policy.sizes_from_data` and
+    `Policy.cut_from`); `score_entries` is `None` where unknown."""
+    if not policy.sizes_from_data or mask is None:
+        return False
+    if mask.causal or score_entries is None:
+        return True
+    return score_entries > policy.cut_from
 
 
 def one_op_einsum(call, policy):
