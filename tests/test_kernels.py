@@ -590,6 +590,18 @@ def test_explicit_kernel_as_one_einsum_op_each_is_the_same_attention(rng):
         assert "Einsum" not in op_types(False) and "Transpose" in op_types(False)
 
 
+def test_policy_looks_for_a_cut_where_it_can_pay():
+    rules = kernels.policy.Policy("fused", cut_from=100)
+    looks = kernels.policy.looks_for_cut
+    padded = masks.AttentionMask(key_valid=np.ones((1, 3), bool))
+    assert not looks(100, padded, rules)  # small: the look costs more than a cut saves
+    assert looks(101, padded, rules)
+    assert looks(None, padded, rules)  # unknown while tracing
+    assert looks(4, dataclasses.replace(padded, causal=True), rules)  # may become is_causal
+    assert not looks(101, None, rules)  # nothing to cut
+    assert not looks(101, padded, dataclasses.replace(rules, sizes_from_data=False))
+
+
 def test_policy_runs_one_einsum_op_only_for_small_known_calls():
     rules = kernels.policy.Policy("chunked", one_op_einsum_up_to=100)
     one_op, call = kernels.policy.one_op_einsum, kernels.policy.Call
