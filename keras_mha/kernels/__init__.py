@@ -48,6 +48,7 @@ def attention(
     chunk_size=None,
     flash=None,
     empty_rows="zero",
+    cut_already=False,
 ):
     """`softmax(q k^T * scale + ..., masked) v` on projected heads.
 
@@ -72,6 +73,7 @@ def attention(
         empty_rows: what a row with no visible key gets: "zero" weights, or
             uniform ones, the mean of the values ("mean": rank-4 calls without
             sinks or scores, as `keras.ops.dot_product_attention` gives it).
+        cut_already: the call is a cut's (`trim.py`): no look for another.
 
     Returns:
         `(output, scores)`: output like the query with `Hv` channels in the value's
@@ -80,7 +82,9 @@ def attention(
     dropping = seed is not None and dropout > 0.0
     rules = policy.current()
     cut = None
-    if not return_scores and policy.looks_for_cut(_score_entries(query, key), mask, rules):
+    if not (return_scores or cut_already) and policy.looks_for_cut(
+        _score_entries(query, key), mask, rules
+    ):
         cut = trim.cut(query, key, mask, dropout=dropping)
     if cut is not None:
         kept_query, kept_key, kept_value, kept_bias = cut.inputs(query, key, value, bias)
@@ -102,6 +106,7 @@ def attention(
             chunk_size=chunk_size,
             flash=flash,
             empty_rows=empty_rows if whole else "zero",
+            cut_already=True,
         )
         output = cut.output(output, query.shape[1])
         if empty_rows == "mean" and not whole:
