@@ -57,10 +57,17 @@ class BlockMask:
         batch: `B`, or `None` when the mask is the same for every batch row
             (`mask_mod` is then called with `b = 0`).
         heads: `H`, or `None` when the same for every head (`h = 0`).
+        is_causal: the mask is exactly causal, key `kv` seen by query `q` where
+            `kv <= q` (found by `create_block_mask`): the kernels then take it as
+            `use_causal_mask=True` (`masks.with_block_mask`), with the backend's own
+            causal kernel where it has one.
     """
 
-    def __init__(self, mask_mod, kinds, query_length, key_length, block_size, batch, heads):
+    def __init__(
+        self, mask_mod, kinds, query_length, key_length, block_size, batch, heads, is_causal=False
+    ):
         self.mask_mod = mask_mod
+        self.is_causal = bool(is_causal)
         self.kinds = kinds
         self.query_length, self.key_length = int(query_length), int(key_length)
         self.block_size = tuple(int(x) for x in block_size)
@@ -277,15 +284,40 @@ def create_block_mask(mask_mod, B, H, T, S, block_size=128):
         bounds = (*queries[:, :, None], *keys[:, None, :])
         by_block = _BLOCK_KINDS[mask_mod.name](*bounds, **mask_mod.config)
         kinds = np.broadcast_to(by_block.astype(np.int8), lead + (nq, nk)).copy()
-        return BlockMask(mask_mod, kinds, T, S, block_size, B, H)
+        is_causal = mask_mod.name == "causal"
+        return BlockMask(mask_mod, kinds, T, S, block_size, B, H, is_causal)
     kinds = np.empty(lead + (nq, nk), np.int8)
     draft = BlockMask(mask_mod, np.ones(lead + (nq, nk), np.int8), T, S, block_size, B, H)
+    queries, keys = _block_bounds(T, q_block), _block_bounds(S, kv_block)
+    causal = _causal_kinds(*queries[:, :, None], *keys[:, None, :])  # (nq, nk)
+    is_causal = True
     for start, size in _row_steps(T, draft._row_step()):
         dense = _evaluate(mask_mod, lead, start, size, draft)
         some, every = _reduce(dense, q_block, kv_block)
         rows = slice(start // q_block, start // q_block + some.shape[2])
         kinds[:, :, rows] = np.where(every, FULL, np.where(some, PARTIAL, EMPTY))
-    return BlockMask(mask_mod, kinds, T, S, block_size, B, H)
+        is_causal = is_causal and _causal_rows(dense, kinds[:, :, rows], causal[rows], start, draft)
+    return BlockMask(mask_mod, kinds, T, S, block_size, B, H, is_causal)
+
+
+def _causal_rows(dense, kinds, causal, start, mask):
+    """Whether rows of query blocks from position `start` (`dense`, their evaluated
+    `(B, H, rows, S)` grid; `kinds`, their blocks) are exactly causal: their blocks'
+    kinds are causal's (`causal`), and each partial block holds `kv <= q` entry by
+    entry (causal's diagonal: a few blocks per row, read from the grid already
+    evaluated)."""
+    if not np.array_equal(kinds, np.broadcast_to(causal, kinds.shape)):
+        return False
+    q_block, kv_block = mask.block_size
+    for i, j in zip(*np.nonzero(causal == PARTIAL)):
+        q0, k0 = i * q_block, j * kv_block
+        block = dense[:, :, q0 : q0 + q_block, k0 : k0 + kv_block]
+        q = np.arange(start + q0, start + q0 + block.shape[2])[:, None]
+        if not np.array_equal(
+            block, np.broadcast_to(q >= np.arange(k0, k0 + block.shape[3]), block.shape)
+        ):
+            return False
+    return True
 
 
 def _row_steps(length, step):

@@ -8,7 +8,6 @@ keras-hub model's attention, a custom block). One entry point on every backend, 
 key/value heads, a KV cache's query offset, soft cap and sinks.
 """
 
-import dataclasses
 import math
 
 from keras import ops
@@ -118,10 +117,7 @@ def attention(
             query_offset,
             cached=query_offset is not None,
         )
-        start = 0 if query_offset is None else query_offset
-        described = dataclasses.replace(
-            described or masks_lib.AttentionMask(offset=start), block_mask=built
-        )
+        described = masks_lib.with_block_mask(described, built, query_offset)
     output, scores = kernels.attention(
         query,
         key,

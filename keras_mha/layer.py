@@ -1015,8 +1015,7 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             offset,
             cached=offset is not None,
         )
-        start = 0 if offset is None else offset
-        return dataclasses.replace(mask or masks_lib.AttentionMask(offset=start), block_mask=built)
+        return masks_lib.with_block_mask(mask, built, offset)
 
     def _repeat_key_value_heads(self, key, value):
         """Grouped-query attention: each key/value head serves `N / Nkv` adjacent

@@ -338,6 +338,17 @@ def describe(
     return None if mask.is_empty else mask
 
 
+def with_block_mask(mask, block_mask, offset):
+    """`mask` (an `AttentionMask` or `None`) ANDed with a call's `block_mask.BlockMask`
+    (its first query at `offset`, `None` for 0). A block mask that is exactly causal
+    (`BlockMask.is_causal`) becomes causality itself, as `use_causal_mask=True`: the
+    backends' causal kernels take it, no mask evaluated."""
+    mask = mask or AttentionMask(offset=0 if offset is None else offset)
+    if block_mask.is_causal:
+        return dataclasses.replace(mask, causal=True)
+    return dataclasses.replace(mask, block_mask=block_mask)
+
+
 def segments(segment_ids, key_segment_ids=None):
     """`{"query_segments": ..., "key_segments": ...}` as int32 tensors (the keys'
     ids default to the queries'), or `{}` when no ids are given."""

@@ -470,6 +470,56 @@ def test_layer_mask_mod_equals_its_dense_mask(rng, name, config):
         np.testing.assert_allclose(to_numpy(layer(x, x, mask_mod=mod)), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("t,s", [(7, 7), (5, 9), (9, 5)])
+def test_a_causal_mask_mod_is_found_exactly(t, s):
+    """`is_causal` is set where the mask is `kv <= q` entry by entry: the named
+    `causal()` and a function of your own, blocks no multiple of the lengths; not
+    where one entry on the diagonal differs, nor for a window or a causal offset."""
+    build = lambda mod: bm_lib.create_block_mask(mod, None, None, t, s, block_size=BLOCK)  # noqa: E731
+    assert build(bm_lib.causal()).is_causal
+    assert build(_causal(t, s)[0]).is_causal
+    assert build(_causal(t, s)[0]).kinds.tolist() == build(bm_lib.causal()).kinds.tolist()
+
+    def all_but_one(b, h, q, k):  # causal, but query 4 does not see itself
+        return ops.logical_and(ops.greater_equal(q, k), ops.logical_or(q != 4, k != 4))
+
+    assert not build(all_but_one).is_causal
+    assert not build(lambda b, h, q, k: ops.greater(q, k)).is_causal
+    assert not build(_sliding_window(t, s, w=2)[0]).is_causal
+    assert not build(bm_lib.sliding_window(2)).is_causal
+    assert not build(_causal_offset(t, s)[0]).is_causal or s == t
+
+
+@pytest.mark.parametrize("which", ["named", "function"])
+def test_a_causal_mask_mod_runs_as_use_causal_mask(rng, monkeypatch, which):
+    """The layer and the functional entry point hand an exactly causal `mask_mod` to
+    the kernels as causality (`use_causal_mask=True`, the backends' causal kernels),
+    not as a block mask: the same outputs, with and without a KV cache."""
+    from keras_mha import kernels
+
+    seen = []
+    original = kernels.attention
+    monkeypatch.setattr(
+        kernels, "attention", lambda *a, **k: seen.append(k["mask"]) or original(*a, **k)
+    )
+    layer = _layer()
+    x = rng.normal(size=(B, L, D)).astype("float32")
+    mod = bm_lib.causal() if which == "named" else _causal(L, L)[0]
+    want = to_numpy(layer(x, x, use_causal_mask=True))
+    np.testing.assert_allclose(to_numpy(layer(x, x, mask_mod=mod)), want, atol=1e-6)
+    assert seen[-1].causal and seen[-1].block_mask is None
+    cache = layer.init_cache(B, L)
+    out, cache = layer(x[:, :4], x[:, :4], cache=cache, cache_update_index=0, mask_mod=mod)
+    step, _ = layer(x[:, 4:5], x[:, 4:5], cache=cache, cache_update_index=4, mask_mod=mod)
+    np.testing.assert_allclose(to_numpy(step), want[:, 4:5], atol=1e-5)
+    assert seen[-1].causal and seen[-1].block_mask is None
+    q, k, v = (rng.normal(size=(B, L, N, H)).astype("float32") for _ in range(3))
+    got = keras_mha.attention(q, k, v, mask_mod=mod)
+    expected = keras_mha.attention(q, k, v, use_causal_mask=True)
+    np.testing.assert_allclose(to_numpy(got), to_numpy(expected), atol=1e-6)
+    assert seen[-1].causal and seen[-1].block_mask is None
+
+
 @pytest.mark.parametrize("kind", ["int", "tensor"])
 def test_layer_decoding_with_a_cache_follows_the_positions(rng, kind):
     """Prefill 4 tokens, then decode one at a time: `q_idx` is the cache position."""
