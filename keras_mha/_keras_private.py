@@ -7,8 +7,10 @@ public API exposes them. TensorFlow says whether a graph is being traced for XLA
 through its control-flow utilities. What Keras's `Layer.__call__` does around a
 layer's `call` (autocast scopes, quantized and rematerialized calls, output layouts,
 input conversion and checks) is read from the layer's private state in
-`call_is_all_it_does`. `tests/test_keras_private.py` fails loudly if a new Keras or
-TensorFlow moves or changes them.
+`call_is_all_it_does`. A layer that takes a structure other than tensors as a
+positional call argument (a keras-hub block's described mask) says so through
+`allow_non_tensor_positional_args`. `tests/test_keras_private.py` fails loudly if a new
+Keras or TensorFlow moves or changes them.
 """
 
 from keras import InputSpec, backend, distribution, ops
@@ -57,6 +59,12 @@ def call_is_all_it_does(layer, inputs):
     return bool(layer.autocast) and scope.dtype == layer.compute_dtype
 
 
+def allow_non_tensor_positional_args(layer):
+    """Lets `layer`'s `Layer.__call__` take positional arguments that are not tensors
+    (Keras's own flag, off by default: its check refuses them)."""
+    layer._allow_non_tensor_positional_args = True
+
+
 def _spec_asks_more(spec, inputs):
     """Whether `spec` asks anything of `inputs` but the rank they have (`EinsumDense`'s
     asks the rank alone): a list of specs, a shape, bounds, a dtype or axes."""
@@ -68,4 +76,10 @@ def _spec_asks_more(spec, inputs):
     )
 
 
-__all__ = ["call_is_all_it_does", "get_keras_mask", "set_keras_mask", "tensorflow_xla_tracing"]
+__all__ = [
+    "allow_non_tensor_positional_args",
+    "call_is_all_it_does",
+    "get_keras_mask",
+    "set_keras_mask",
+    "tensorflow_xla_tracing",
+]

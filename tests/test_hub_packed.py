@@ -208,6 +208,19 @@ def test_a_packed_gemma3_refuses_a_vision_mask():
         block._compute_attention_mask(x, ids, np.ones_like(ids), None, 0)
 
 
+def test_a_packed_gemma3n_refuses_when_called():
+    """Gemma 3n describes its masks now, but its packed rows are not checked: a packed
+    Gemma 3n says so when called, naming `padding_mask`."""
+    keras.utils.set_random_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = keras_mha.swap(ZOO["gemma3n"].build())
+    hub.set_packed(swapped)
+    inputs = {"token_ids": np.ones((1, ROW), "int32"), "padding_mask": np.ones((1, ROW), "int32")}
+    with pytest.raises(ValueError, match="padding_mask.*not checked yet"):
+        swapped(inputs)
+
+
 def test_a_packed_qwen3_5_refuses_when_called():
     """Qwen3.5's full-attention blocks describe their masks (as Llama's), but its
     linear-attention blocks carry a recurrent state across documents: `set_packed`

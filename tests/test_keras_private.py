@@ -67,6 +67,22 @@ def test_keras_still_keeps_what_call_is_all_it_does_reads():
     assert not _keras_private.call_is_all_it_does(remat, x)
 
 
+def test_keras_still_refuses_and_then_takes_non_tensor_positional_arguments():
+    """The flag `allow_non_tensor_positional_args` sets is the one Keras's
+    `Layer.__call__` reads: refused without it, taken with it."""
+
+    class Takes(keras.layers.Layer):
+        def call(self, x, extra):
+            return x
+
+    x, extra = keras.ops.ones((1, 3)), {"not": "a tensor"}
+    with pytest.raises(ValueError, match="Only input tensors may be passed"):
+        Takes()(x, extra)
+    layer = Takes()
+    _keras_private.allow_non_tensor_positional_args(layer)
+    assert layer(x, extra) is not None
+
+
 def test_no_other_module_imports_keras_src():
     """`_keras_private` is the one place private Keras API is imported."""
     offenders = []

@@ -16,6 +16,7 @@ import inspect
 
 import keras
 
+from keras_mha import _keras_private
 from keras_mha import layer as layer_lib
 
 
@@ -103,6 +104,8 @@ class HubAttention(keras.layers.Layer):
         self.config = dict(config)
         self.corrected = bool(corrected)
         self.supports_masking = True
+        # Some blocks pass their (described) mask positionally (Gemma 3n's).
+        _keras_private.allow_non_tensor_positional_args(self)
         if self.entry.attributes is not None:
             for name, value in self.entry.attributes(self.config).items():
                 setattr(self, name, value)

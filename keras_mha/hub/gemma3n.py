@@ -10,11 +10,14 @@ the uncached path, the stacked keys and values) that the last non-shared layer o
 same type returned, and the layer attends over it without writing it: our layer's
 `shared_key_value` call argument. Their own key and value projections, which keras-hub
 builds and never uses, are kept (ported, unused), so the model's weights stay the same.
+Its decoder block merges padding and causality into a dense mask
+(`_compute_attention_mask`); in a swapped model it passes them described
+(`common.DecoderMask`), and our layer adds its window and the cache offset itself.
 """
 
 from keras import ops
 
-from keras_mha.hub import layout
+from keras_mha.hub import common, layout
 from keras_mha.hub.adapter import Entry
 
 NOTES = (
@@ -61,6 +64,24 @@ def _weights(layer):
     }
 
 
+def _decoder_mask(decoder, x, padding_mask, cache=None, cache_update_index=0):
+    """`Gemma3nTextDecoderBlock._compute_attention_mask`, described; with a cache,
+    keras-hub's own dense mask: its cached calls pass the padding of the new tokens
+    only, which its mask spreads over every key of their rows."""
+    if cache is not None:
+        own = type(decoder)._compute_attention_mask
+        return own(decoder, x, padding_mask, cache, cache_update_index)
+    return common.causal_decoder_mask(decoder, x, padding_mask)
+
+
+_DECODER = common.DescribedDecoder(
+    _decoder_mask,
+    method="_compute_attention_mask",
+    decoders=("keras_hub.src.models.gemma3n.gemma3n_text_decoder.Gemma3nTextDecoderBlock",),
+    not_packed="Gemma 3n on packed rows is not checked yet (tests/test_hub_packed.py)",
+)
+
+
 def _ours(cache):
     """Head-major `(B, 2, Nkv, S, H)` <-> ours `(B, 2, S, Nkv, H)` (its own inverse)."""
     return ops.transpose(cache, (0, 1, 3, 2, 4))
@@ -80,25 +101,24 @@ def _call(
     layers after it."""
     attention = layer.attention
     x = hidden_states
+    masks = common.mask_arguments(attention_mask)
     if layer.config["is_kv_shared_layer"]:
         output = attention(
             x,
             x,
-            attention_mask=attention_mask,
+            **masks,
             shared_key_value=_ours(cache),
             cache_update_index=cache_update_index,
             training=training,
         )
         return output, None, cache
     if cache is None:
-        output, held = attention(
-            x, x, attention_mask=attention_mask, return_key_value=True, training=training
-        )
+        output, held = attention(x, x, **masks, return_key_value=True, training=training)
         return output, None, _ours(held)
     output, held = attention(
         x,
         x,
-        attention_mask=attention_mask,
+        **masks,
         cache=_ours(cache),
         cache_update_index=cache_update_index,
         cache_update_mask=cache_update_mask,
@@ -109,6 +129,11 @@ def _call(
 
 ADAPTERS = {
     "keras_hub.src.models.gemma3n.gemma3n_attention.Gemma3nTextAttention": Entry(
-        options=_options, call=_call, weights=_weights, notes=NOTES, with_layer=True
+        options=_options,
+        call=_call,
+        weights=_weights,
+        decoder_mask=_DECODER,
+        notes=NOTES,
+        with_layer=True,
     ),
 }

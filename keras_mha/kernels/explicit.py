@@ -109,7 +109,8 @@ def _one_op_einsum(equation, *operands):
     if backend.backend() == "tensorflow":
         import tensorflow as tf
 
-        return tf.einsum(equation, *operands)
+        dtype = backend.result_type(*(x.dtype for x in operands))  # as Keras's einsum
+        return tf.einsum(equation, *(ops.cast(x, dtype) for x in operands))
     return ops.einsum(equation, *operands)
 
 
