@@ -8,6 +8,8 @@ the dense mask; the layer with GQA and a KV cache; and the blocks a compiled loo
 visits are counted.
 """
 
+import dataclasses
+
 import hypothesis
 import keras
 import numpy as np
@@ -283,7 +285,10 @@ def test_block_map_is_built_by_rows_of_blocks(monkeypatch):
 
 
 # ---------------------------------------------------------------------- kernels
-KERNELS = ["explicit", "fused", "chunked", "looped"] + (["dynamic"] if BACKEND != "jax" else [])
+# "in-place": unrolled, the key and value gradients summed into one buffer (torch's row).
+KERNELS = ["explicit", "fused", "chunked", "in-place", "looped"] + (
+    ["dynamic"] if BACKEND != "jax" else []
+)
 
 
 def _run(kernel, mask):
@@ -295,7 +300,15 @@ def _run(kernel, mask):
             return fused.attention(q, k, v, chunk_size=4, **options)
         loop, dynamic = kernel in ("looped", "dynamic"), kernel == "dynamic"
         return chunked.attention(
-            q, k, v, chunk_size=4, key_block=5, loop=loop, dynamic=dynamic, **options
+            q,
+            k,
+            v,
+            chunk_size=4,
+            key_block=5,
+            loop=loop,
+            dynamic=dynamic,
+            in_place_sums=kernel == "in-place",
+            **options,
         )
 
     return fn
@@ -372,11 +385,42 @@ def test_fully_masked_rows_give_zero_output(rng):
         np.testing.assert_array_equal(out[:, :4], 0.0)
 
 
-def test_policy_takes_no_fused_kernel_for_a_block_mask():
+def test_policy_takes_the_fused_kernel_for_a_block_mask_only_where_its_row_says():
     mask, _ = _block_mask("causal", 13, 13)
     call = policy.Call(mask=masks.AttentionMask(block_mask=mask), score_entries=10**9)
     assert policy.choose("fused", call, policy.Policy("fused")) == "chunked"
     assert policy.choose(None, call, policy.Policy("fused")) == "chunked"
+    row = policy.Policy("fused", fused_block_mask=True)
+    assert policy.choose(None, call, row) == "fused"
+    # A score function still takes the chunked kernel.
+    assert policy.choose(None, dataclasses.replace(call, score_mod=True), row) == "chunked"
+
+
+def test_fused_gathers_each_chunks_runs_of_blocks(rng, monkeypatch):
+    """With gaps of empty blocks inside a chunk's key range, the fused kernel gets
+    the keys of the runs of non-empty blocks only, joined (and their mask), and the
+    output is the reference's."""
+    t = s = 24
+    mod, _, _, dense = PATTERNS["global+sliding"](t, s)
+    mask = bm_lib.create_block_mask(mod, None, None, t, s, block_size=(4, 3))
+    widths = []
+    original = fused._Kernel.__call__
+
+    def spy(self, query, key, value, *rest):
+        widths.append(key.shape[1])
+        return original(self, query, key, value, *rest)
+
+    monkeypatch.setattr(fused._Kernel, "__call__", spy)
+    arrays = _inputs(rng, t, s)
+    out = to_numpy(_run("fused", masks.AttentionMask(block_mask=mask))(*arrays))
+    expected, _ = reference_attention(*arrays, mask=np.broadcast_to(dense, (B, 1, t, s))[:, 0])
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    # Chunks of 4 queries: the last ones see the global keys [0, 3) and their window,
+    # not the empty blocks between them.
+    nonempty = mask.kinds[0, 0] != bm_lib.EMPTY
+    seen = [3 * int(nonempty[i // 4 : i // 4 + 1].any(axis=0).sum()) for i in range(0, t, 4)]
+    assert sorted(widths) == sorted(min(w, s) for w in seen)
+    assert max(widths[: len(widths) // 2]) < s
 
 
 # ------------------------------------------------------------- skipped blocks

@@ -145,6 +145,7 @@ def _run(kernel, mask, extras=None, **options):
             key_block=key_block,
             loop=loop,
             dynamic=dynamic,
+            in_place_sums=kernel == "in-place",
             **kwargs,
         )
 
@@ -185,6 +186,14 @@ CHUNKED = ["chunked", "looped"] + (["dynamic"] if BACKEND != "jax" else [])
 def test_chunked_matches_explicit_forward_and_backward(rng, kernel, masking, lengths):
     t, s = lengths
     _assert_same(kernel, MASKS[masking](t, s), _inputs(rng, t, s))
+
+
+@pytest.mark.parametrize("masking", list(MASKS))
+def test_key_gradients_summed_in_one_buffer_change_nothing(rng, masking):
+    """Unrolled chunks' key and value gradients added into one zeroed buffer at each
+    chunk's keys (`Policy.in_place_sums`: in place on torch), against the explicit
+    kernel: chunks whose key ranges start and end at different keys."""
+    _assert_same("in-place", MASKS[masking](9, T + 4), _inputs(rng, 9, T + 4))
 
 
 @pytest.mark.skipif(BACKEND == "jax", reason="a dynamic loop needs dynamic shapes; JAX has none")

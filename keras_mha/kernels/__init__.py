@@ -183,6 +183,7 @@ def attention(
         loop=rules.loop,
         dynamic=dynamic,
         differentiable=rules.trains,
+        in_place_sums=rules.in_place_sums,
     )
     if empty_rows == "mean" and mask is not None:
         output = logits_lib.mean_where_empty(output, value, mask)

@@ -62,6 +62,7 @@ def attention(
     loop=False,
     dynamic=False,
     differentiable=True,
+    in_place_sums=False,
 ):
     """Returns the output `(B, T, N, Hv)` in the value's dtype.
 
@@ -91,12 +92,15 @@ def attention(
             chunk (TensorFlow graphs): each sees only its key range, and a `T`
             unknown when tracing is chunked too.
         differentiable: use the custom backward (backends that train).
+        in_place_sums: unrolled, the backward adds each chunk's key and value
+            gradients in place into one buffer (torch: `Policy.in_place_sums`).
     """
     if dynamic and backend.backend() == "jax":
         raise ValueError("The chunked kernel's dynamic loop needs dynamic shapes; JAX has none.")
 
     def plan_of(rows):
-        return _Plan.make(query, key, mask, rows, in_flight, loop, dynamic, key_block, key_multiple)
+        plan = _Plan.make(query, key, mask, rows, in_flight, loop, dynamic, key_block, key_multiple)
+        return dataclasses.replace(plan, in_place_sums=in_place_sums)
 
     plan = plan_of(chunk_size)
     forward_plan = plan
@@ -164,6 +168,7 @@ class _Plan:
     keys: Any = None  # `S`: static, or a scalar tensor in a dynamic loop
     key_multiple: int = 1  # a dynamic loop's key ranges: widened out to multiples
     segments: tuple = ()  # unrolled, with a block mask: per chunk, its non-empty key runs
+    in_place_sums: bool = False  # unrolled: the key and value gradients summed in place
 
     @classmethod
     def make(
@@ -633,9 +638,12 @@ def _backward_chunk(block, rows, sink=True):
     inputs = block.inputs
     d_out, correction, logsumexp, query_t, d_out_t = rows
     x, mask, squashed, before_mod = block.logits()
-    if mask is not None:  # masked weights underflow to 0; a key-less row's too (NO_KEYS)
-        x = x + logits_lib.mask_bias(mask)
-    weights = ops.exp(x - logsumexp)
+    weights = ops.exp(x - logsumexp)  # a key-less row's (NO_KEYS) underflow to 0
+    if mask is not None:
+        # Masked weights are zeroed after the exponential, not pushed down by `MASKED`
+        # before it: torch's CPU `exp` takes a slow path, 5-18x, for arguments below
+        # -87.3 (benchmarks/results/torch_backward.md).
+        weights = ops.where(mask, weights, 0.0)
     values = block.values()
     d_value = _product(d_out_t, block.dropped(weights), inputs.v.dtype)  # (B, N, Hv, k)
     d_weights = block.dropped(_matmul(d_out, ops.transpose(values, (0, 1, 3, 2))))
@@ -837,8 +845,9 @@ class _Unrolled:
     """The unrolled chunks' key, value, bias and sink gradients."""
 
     def __init__(self, plan, inputs, bias_shape):
-        self.d_key = _KeySum(plan.key_length, inputs.key_t, channels_of=inputs.q)
-        self.d_value = _KeySum(plan.key_length, inputs.key_t, channels_of=inputs.v)
+        in_place = plan.in_place_sums
+        self.d_key = _KeySum(plan.key_length, inputs.key_t, inputs.q, in_place)
+        self.d_value = _KeySum(plan.key_length, inputs.key_t, inputs.v, in_place)
         self.bias_shape, self.key_length = bias_shape, plan.key_length
         self.bias_rows, self.bias_sum, self.d_sink = [], None, None
         self.d_mod = inputs.mod.zeros()
@@ -871,17 +880,25 @@ class _KeySum:
     The running sum covers keys `[0, largest hi so far)`; a part is padded to it, or
     it to the part. Each add waits for its chunk (see `_Gradients.add`), which keeps
     TensorFlow's graph optimizer from fusing the chain into one `AddN` that would
-    hold every chunk's part at once.
+    hold every chunk's part at once. `in_place` (a known `S`): the sum is one zeroed
+    `(B, N, C, S)` buffer from the start, each part added into its keys (in place on
+    torch: `_add_into`).
     """
 
-    def __init__(self, length, key_t, channels_of):
+    def __init__(self, length, key_t, channels_of, in_place=False):
         self.length = length
         self.key_t, self.channels_of = key_t, channels_of
         self.sum, self.covered = None, 0
+        self.in_place = in_place and isinstance(length, int)
 
     def add(self, part, lo, hi):
         if hi is None:  # unknown S: every chunk covers all keys
             self.sum = part if self.sum is None else self.sum + part
+            return
+        if self.in_place:  # each part added into its keys of one whole buffer
+            if self.sum is None:
+                self.sum, self.covered = self._zeros(), self.length
+            self.sum = _add_into(self.sum, part, lo, hi)
             return
         if lo:
             part = _pad_keys(part, lo, 0)
@@ -896,11 +913,14 @@ class _KeySum:
 
     def total(self):
         if self.sum is None:  # no query sees any key
-            lead, channels = ops.shape(self.key_t), ops.shape(self.channels_of)[3]
-            return ops.zeros((lead[0], lead[1], channels, lead[3]), "float32")
+            return self._zeros()
         if self.length is not None and self.covered < self.length:
             return _pad_keys(self.sum, 0, self.length - self.covered)
         return self.sum
+
+    def _zeros(self):
+        lead, channels = ops.shape(self.key_t), ops.shape(self.channels_of)[3]
+        return ops.zeros((lead[0], lead[1], channels, lead[3]), "float32")
 
 
 # ------------------------------------------------------------------- score function
@@ -971,6 +991,15 @@ def _add_at(buffer, part, starts, padded):
         sizes, totals = ops.shape(part), ops.shape(buffer)
         return buffer + ops.pad(part, [(s, t - s - n) for s, t, n in zip(starts, totals, sizes)])
     return ops.slice_update(buffer, starts, ops.slice(buffer, starts, ops.shape(part)) + part)
+
+
+def _add_into(buffer, part, lo, hi):
+    """`buffer` with `part` added at keys `[lo, hi)` of its last axis: in place on
+    torch (the buffer is the backward's own), a slice update elsewhere."""
+    if hasattr(buffer, "add_"):
+        buffer[..., lo:hi].add_(part)
+        return buffer
+    return _add_at(buffer, part, [0, 0, 0, lo], False)
 
 
 def _loop(count, body, state, in_flight, shapes=None):

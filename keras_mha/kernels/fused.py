@@ -256,15 +256,21 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:  # a block map's
             outputs.append(_zero_rows(query, value, size))
             continue
-        block = mask.block(start, size, lo, hi - lo)
+        runs = _runs(mask, start, size, lo, hi) if bias is None else None
+        if runs is None:
+            runs = ((lo, hi),)
+        block = _joined([mask.block(start, size, a, b - a) for a, b in runs], runs, size)
         kernel_mask, valid = _unmask_empty_rows(block)
         chunk_bias = None
         if bias is not None:
             chunk_bias = masks_lib.block_of(bias, start, size, lo, hi - lo)
+        keys, values = (
+            _concat([masks_lib.slice_along(x, 1, a, b - a) for a, b in runs]) for x in (key, value)
+        )
         output = run(
             masks_lib.slice_along(query, 1, start, size),
-            masks_lib.slice_along(key, 1, lo, hi - lo),
-            masks_lib.slice_along(value, 1, lo, hi - lo),
+            keys,
+            values,
             kernel_mask,
             valid,
             False,
@@ -272,6 +278,38 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         )
         outputs.append(output)
     return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs[::-1], axis=1)
+
+
+def _runs(mask, start, size, lo, hi):
+    """A chunk's runs of non-empty key blocks within `[lo, hi)` where its block map
+    leaves empty blocks between them (static sizes), else `None`."""
+    offset = mask.static_offset
+    if mask.block_mask is None or offset is None or not isinstance(lo, int):
+        return None
+    if not isinstance(hi, int) or not isinstance(size, int):
+        return None
+    runs = mask.block_mask.segments(start + offset, start + offset + size - 1, lo, hi)
+    return tuple(runs) if len(runs) > 1 else None
+
+
+def _joined(parts, runs, size):
+    """The masks of a chunk's key runs side by side (`None` where every part is);
+    a part that is `None` (all visible) becomes true."""
+    if len(parts) == 1 or all(p is None for p in parts):
+        return parts[0] if len(parts) == 1 else None
+    lead = [1, 1]
+    for p in parts:
+        if p is not None:
+            lead = [max(a, b) for a, b in zip(lead, p.shape[:2])]
+    full = [
+        ops.ones((*lead, size, b - a), "bool") if p is None else p for p, (a, b) in zip(parts, runs)
+    ]
+    full = [ops.broadcast_to(p, (*lead, size, b - a)) for p, (a, b) in zip(full, runs)]
+    return ops.concatenate(full, axis=-1)
+
+
+def _concat(parts):
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=1)
 
 
 class _Kernel:

@@ -75,10 +75,22 @@ class Policy:
             its own memory-lean backward).
         in_place_bias: the projections add their bias into the fresh product in
             place where no gradient flows (torch: a new buffer costs page faults).
+        in_place_sums: the unrolled chunked kernel's backward adds each chunk's key
+            and value gradients into one zeroed buffer at the chunk's keys, in place
+            on torch, instead of padding each part to the running sum and adding the
+            two whole: per chunk, two passes over all keys' gradients less
+            (benchmarks/results/torch_backward.md).
         fused_float16: the fused kernel takes float16 as it is. TensorFlow's
             computes float16 logits, which overflow; JAX's asks for float32
             accumulation, which XLA on CPU rejects under `jax.jit`. Elsewhere the
             fused kernel gets float32 copies.
+        fused_block_mask: the fused kernel takes calls with a block mask
+            (`block_mask.BlockMask`): by chunks of queries, each against the key
+            blocks its block map leaves non-empty (runs of them gathered together),
+            the mask built for that chunk only, none where all its blocks are full.
+            Torch's CPU kernel runs those chunks in C++ where the chunked kernel
+            runs each step as an eager op over the whole chunk
+            (benchmarks/results/torch_backward.md).
         fused_key_padding: the fused kernel takes a key-padding mask `(B, 1, 1, S)`
             whole. JAX's cuDNN kernel does not (`tests/test_gpu.py`: XLA's plain
             math, with its whole `B x N x T x S` scores, ran instead); it takes a
@@ -119,6 +131,8 @@ class Policy:
     dynamic: bool = False
     trains: bool = True
     in_place_bias: bool = False
+    in_place_sums: bool = False
+    fused_block_mask: bool = False
     fused_float16: bool = False
     fused_key_padding: bool = True
     fold_key_padding: tuple = ()
@@ -163,12 +177,19 @@ POLICIES = {
         "fused",
         chunk_size=256,
         in_place_bias=True,
+        in_place_sums=True,
+        fused_block_mask=True,
         fused_float16=True,
         direct_projections=True,
         cut_from=1 << 15,
     ),
     ("torch", "gpu"): Policy(
-        "fused", chunk_size=512, in_place_bias=True, fused_float16=True, direct_projections=True
+        "fused",
+        chunk_size=512,
+        in_place_bias=True,
+        in_place_sums=True,
+        fused_float16=True,
+        direct_projections=True,
     ),
     ("numpy", "cpu"): Policy("explicit", trains=False),
     ("openvino", "cpu"): Policy("explicit", trains=False),
@@ -333,7 +354,7 @@ def choose(requested, call, policy):
     automatic = requested in (None, "auto")
     if automatic:
         requested = policy.kernel
-    if requested == "fused" and not fusable(call):
+    if requested == "fused" and not fusable(call, policy):
         requested = "chunked"
     if automatic and requested == "chunked" and _small(call, policy.explicit_up_to):
         requested = "explicit"
@@ -368,15 +389,16 @@ def _small(call, limit):
     return mask is None or call.one_chunk or (not mask.causal and mask.window is None)
 
 
-def fusable(call):
+def fusable(call, policy=None):
     """Whether the backend's fused kernel takes this call: any mask (built chunk by
     chunk where it would otherwise be a `(T, S)` tensor) and a bias, but no dropout
     (the kernels draw their own), soft cap, sinks or score function (torch's
     `flex_attention` would take one on a GPU; not measured yet, so not taken), nor a
-    block mask (the chunked kernel skips its empty blocks)."""
+    block mask unless the policy says so (`Policy.fused_block_mask`; the chunked
+    kernel skips empty blocks too)."""
     if call.dropout or call.soft_cap or call.sinks or call.score_mod:
         return False
     if call.mask is not None and call.mask.block_mask is not None:
-        return False
+        return policy is not None and policy.fused_block_mask
     # JAX's kernel needs key_dim == value_dim.
     return backend.backend() != "jax" or call.same_head_dims
