@@ -218,16 +218,23 @@ class BlockMask:
         last = ops.cast(last_query, "int32") // q_block
         return ops.logical_and(ops.greater_equal(blocks, first), ops.less_equal(blocks, last))
 
-    def visit_order(self, first_query, last_query, lo, hi, key_length):
-        """`(order, count)`, int32 tensors: the key blocks some query among positions
-        `[first_query, last_query]` may see, that also overlap keys `[lo, hi)`, are
-        `order[:count]`, ascending (the rest of `order` is the other blocks). A
-        compiled loop visits those and no other."""
-        kv_block = self.block_size[1]
+    def visit_order(self, first_query, last_query, lo, hi, key_length, unit=1):
+        """`(order, count)`, int32 tensors: the units of `unit` consecutive key
+        blocks (`unit * kv_block` keys) some query among positions `[first_query,
+        last_query]` may see, that also overlap keys `[lo, hi)`, are `order[:count]`,
+        ascending (the rest of `order` is the other units). A compiled loop visits
+        those and no other."""
+        kv_block = self.block_size[1] * unit
         inside = self._query_blocks(first_query, last_query)  # (nq,)
-        visible = ops.convert_to_tensor(self._visible)  # (nq, nk)
+        visible = self._visible
+        if unit > 1:  # a unit is visible where one of its blocks is
+            nq, nk = visible.shape
+            padded = np.zeros((nq, -(-nk // unit) * unit), bool)
+            padded[:, :nk] = visible
+            visible = padded.reshape(nq, -1, unit).any(axis=2)
+        nk = visible.shape[1]
+        visible = ops.convert_to_tensor(visible)  # (nq, nk)
         nonempty = ops.any(ops.logical_and(visible, inside[:, None]), axis=0)  # (nk,)
-        nk = self._visible.shape[1]
         blocks = ops.arange(nk, dtype="int32")
         starts = blocks * kv_block
         overlaps = ops.logical_and(

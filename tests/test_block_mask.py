@@ -285,8 +285,9 @@ def test_block_map_is_built_by_rows_of_blocks(monkeypatch):
 
 
 # ---------------------------------------------------------------------- kernels
-# "in-place": unrolled, the key and value gradients summed into one buffer (torch's row).
-KERNELS = ["explicit", "fused", "chunked", "in-place", "looped"] + (
+# "in-place": unrolled, the key and value gradients summed into one buffer (torch's row);
+# "units": a compiled loop visiting two of the map's key blocks at a time.
+KERNELS = ["explicit", "fused", "chunked", "in-place", "looped", "units"] + (
     ["dynamic"] if BACKEND != "jax" else []
 )
 
@@ -298,13 +299,13 @@ def _run(kernel, mask):
             return explicit.attention(q, k, v, equations=EQUATIONS, **options)[0]
         if kernel == "fused":
             return fused.attention(q, k, v, chunk_size=4, **options)
-        loop, dynamic = kernel in ("looped", "dynamic"), kernel == "dynamic"
+        loop, dynamic = kernel in ("looped", "units", "dynamic"), kernel == "dynamic"
         return chunked.attention(
             q,
             k,
             v,
             chunk_size=4,
-            key_block=5,
+            key_block=7 if kernel == "units" else 5,
             loop=loop,
             dynamic=dynamic,
             in_place_sums=kernel == "in-place",
@@ -425,16 +426,20 @@ def test_fused_gathers_each_chunks_runs_of_blocks(rng, monkeypatch):
 
 # ------------------------------------------------------------- skipped blocks
 @pytest.mark.parametrize("name", ["causal", "document", "dilated", "block-diagonal"])
-def test_loop_visits_only_the_non_empty_blocks(name):
+@pytest.mark.parametrize("key_block, unit", [(5, 1), (7, 2)])
+def test_loop_visits_only_the_non_empty_blocks(name, key_block, unit):
     """The compiled loop's plan: each chunk visits the key blocks its block map leaves
-    non-empty, no other, and they are the ones the dense mask has a true in."""
+    non-empty, no other, and they are the ones the dense mask has a true in. A loop's
+    `key_block` of several of the map's blocks visits whole units of them: those
+    holding a non-empty block."""
     t, s = 13, 14
     mask, dense = _block_mask(name, t, s)
     attention_mask = masks.AttentionMask(block_mask=mask)
     q = np.zeros((1, t, 1, H), "float32")
     k = np.zeros((1, s, 1, H), "float32")
-    plan = chunked._Plan.make(q, k, attention_mask, 4, None, True, False, key_block=5)
-    assert plan.key_block == BLOCK[1]
+    plan = chunked._Plan.make(q, k, attention_mask, 4, None, True, False, key_block=key_block)
+    width = BLOCK[1] * unit
+    assert plan.key_block == width
     any_dense = np.broadcast_to(dense, mask.shape).any(axis=(0, 1))
     for start in range(0, t, 4):
         size = min(4, t - start)
@@ -442,7 +447,8 @@ def test_loop_visits_only_the_non_empty_blocks(name):
         count = int(to_numpy(count))
         visited = sorted(int(j) for j in to_numpy(order)[:count])
         rows = any_dense[start : start + size]
-        want = [j for j in range(mask.kinds.shape[3]) if rows[:, j * 3 : j * 3 + 3].any()]
+        units = -(-s // width)
+        want = [j for j in range(units) if rows[:, j * width : j * width + width].any()]
         assert visited == want
 
 

@@ -191,7 +191,9 @@ class _Plan:
         blocks = 0
         if loop and not dynamic and key_length:  # static shapes: blocks of keys
             if mask is not None and mask.block_mask is not None:
-                key_block = mask.block_mask.block_size[1]  # its blocks, to skip empty ones
+                # Whole units of its blocks, to skip empty ones.
+                map_block = mask.block_mask.block_size[1]
+                key_block = max(1, min(key_block, key_length) // map_block) * map_block
             blocks = min(key_block, key_length)
         # A dynamic loop narrows its chunks' key ranges by the data even where `S` is
         # unknown when tracing (varying lengths under `tf.function`): `S` as a tensor.
@@ -270,8 +272,10 @@ class _Plan:
             lo, hi = self.mask.visible_range(start, size, self.key_length)
         if self.mask is not None and self.mask.block_mask is not None:
             first = start + self.mask.offset
+            # Map blocks per visited block (one where `S` is below a map block).
+            unit = max(1, self.key_block // self.mask.block_mask.block_size[1])
             return self.mask.block_mask.visit_order(
-                first, first + size - 1, lo, hi, self.key_length
+                first, first + size - 1, lo, hi, self.key_length, unit
             )
         return lo, (hi - lo + self.key_block - 1) // self.key_block
 

@@ -30,7 +30,10 @@ class Policy:
             `dynamic`): each chunk visits only the blocks holding a key one of its
             queries may see, found at run time (causality, the window, query and key
             padding, document ids), in an inner loop with an online softmax. Larger
-            blocks: fewer steps; smaller ones: less work past the visible keys.
+            blocks: fewer steps; smaller ones: less work past the visible keys. With
+            a block mask, the loop's blocks are whole units of the map's key blocks,
+            as many as fit in `key_block` (at least one), visited where one of them
+            is non-empty (benchmarks/results/jax_block_units.md).
         key_multiple: a dynamic loop widens each chunk's key range, found at run
             time from the masks, out to a multiple of this many keys. Every new
             width is a new matmul shape, and TensorFlow's CPU kernels (oneDNN) keep a
