@@ -105,14 +105,10 @@ def cut(query, key, mask, *, dropout):
 def _host(x):
     """A `(B, L)` padding or ids as a NumPy array (booleans as they are), or `None`.
 
-    A torch tensor gives its own NumPy view (a host copy from an accelerator): 4 us
-    where Keras's `convert_to_numpy` takes 22, most of it raising and filtering the
-    DeprecationWarning of NumPy's `copy` keyword, which the layer's call must not let
-    out (Keras's `test_no_warning_with_keras_mask`)."""
+    Keras's torch `convert_to_numpy` warns (NumPy's `copy` keyword) on the way: the
+    layer's call must raise no warning (Keras's `test_no_warning_with_keras_mask`)."""
     if x is None:
         return None
-    if hasattr(x, "detach"):  # torch
-        return x.detach().cpu().numpy()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return np.asarray(ops.convert_to_numpy(x))
