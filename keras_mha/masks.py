@@ -85,6 +85,18 @@ class AttentionMask:
         """The offset as a Python int, or `None` when it is a tensor."""
         return self.offset if isinstance(self.offset, int) else None
 
+    def block_runs(self, query_start, query_size, lo, hi):
+        """The runs of consecutive non-empty key blocks of the block mask that queries
+        `[query_start, +query_size)` may see within keys `[lo, hi)`, as a list of
+        `(lo, hi)` (`BlockMask.segments`); `None` without a block mask or where a size,
+        the range or the offset is not a static int."""
+        offset = self.static_offset
+        sizes = (query_start, query_size, lo, hi)
+        if self.block_mask is None or offset is None or not all(isinstance(x, int) for x in sizes):
+            return None
+        first = query_start + offset
+        return self.block_mask.segments(first, first + query_size - 1, lo, hi)
+
     def key_range(self, query_start, query_size, key_length):
         """`(lo, hi)`: the keys that queries `[query_start, query_start + query_size)`
         may see at all, by causality and the window.

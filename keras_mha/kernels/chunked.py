@@ -216,7 +216,7 @@ class _Plan:
         ranges = tuple(plan.key_range(start, size, eager) for start, size in chunks)
         segments = ()
         if not loop and mask is not None and mask.block_mask is not None:
-            segments = tuple(_segments(mask, c, r) for c, r in zip(chunks, ranges))
+            segments = tuple(mask.block_runs(*c, *r) for c, r in zip(chunks, ranges))
         return dataclasses.replace(plan, ranges=ranges, segments=segments)
 
     def segments_of(self, i, inputs):
@@ -549,16 +549,6 @@ def _backward_runs(inputs, start, size, runs, rows):
             merged = [None if m is None else m + p for m, p in zip(merged, parts)]
         d_mod = d_run_mod if not d_mod else [a + b for a, b in zip(d_mod, d_run_mod)]
     return (*merged, None, d_mod)
-
-
-def _segments(mask, chunk, key_range):
-    """A chunk's runs of non-empty key blocks within its key range (static sizes and
-    offset), or `None`."""
-    (start, size), (lo, hi) = chunk, key_range
-    offset = mask.static_offset
-    if size is None or hi is None or offset is None or not isinstance(lo, int):
-        return None
-    return mask.block_mask.segments(start + offset, start + offset + size - 1, lo, hi)
 
 
 def _forward_loop(plan, inputs):

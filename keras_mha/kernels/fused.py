@@ -256,8 +256,8 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:  # a block map's
             outputs.append(_zero_rows(query, value, size))
             continue
-        runs = _runs(mask, start, size, lo, hi) if bias is None else None
-        if runs is None:
+        runs = mask.block_runs(start, size, lo, hi) if bias is None else None
+        if not runs or len(runs) == 1:  # one range: sliced, not gathered
             runs = ((lo, hi),)
         block = _joined([mask.block(start, size, a, b - a) for a, b in runs], runs, size)
         kernel_mask, valid = _unmask_empty_rows(block)
@@ -278,18 +278,6 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         )
         outputs.append(output)
     return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs[::-1], axis=1)
-
-
-def _runs(mask, start, size, lo, hi):
-    """A chunk's runs of non-empty key blocks within `[lo, hi)` where its block map
-    leaves empty blocks between them (static sizes), else `None`."""
-    offset = mask.static_offset
-    if mask.block_mask is None or offset is None or not isinstance(lo, int):
-        return None
-    if not isinstance(hi, int) or not isinstance(size, int):
-        return None
-    runs = mask.block_mask.segments(start + offset, start + offset + size - 1, lo, hi)
-    return tuple(runs) if len(runs) > 1 else None
 
 
 def _joined(parts, runs, size):
