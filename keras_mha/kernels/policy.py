@@ -402,6 +402,7 @@ def fusable(call, policy=None):
     if call.dropout or call.soft_cap or call.sinks or call.score_mod:
         return False
     if call.mask is not None and call.mask.block_mask is not None:
-        return policy is not None and policy.fused_block_mask
+        if policy is None or not policy.fused_block_mask:
+            return False
     # JAX's kernel needs key_dim == value_dim.
     return backend.backend() != "jax" or call.same_head_dims
