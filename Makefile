@@ -6,13 +6,21 @@ STAMP := $(VENV)/.installed
 BACKENDS ?= tensorflow jax torch
 NOTEBOOK_BACKEND ?= jax
 
+# Bytecode: pip installs without compiling every module of every package (tensorflow,
+# torch, jax: a minute of the install), and Python writes each module's bytecode when a
+# process first imports it, for the processes after it (the test runs start dozens:
+# command-line workers, notebook kernels, a fresh virtual environment's). A
+# PYTHONDONTWRITEBYTECODE in the caller's environment would make every one of them
+# compile its imports again from source. Measured: the Benchmarks page, "Test-suite times".
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: install demo test test-backends test-notebooks notebooks docs lint format bench gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[all]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-compile -c constraints.txt -e ".[all]"
 	# keras-hub (tests/test_keras_hub.py) without tensorflow-text: see the `hub` extra.
-	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt --no-deps keras-hub
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-compile -c constraints.txt --no-deps keras-hub
 	touch $(STAMP)
 
 install: $(STAMP)
