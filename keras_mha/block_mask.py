@@ -9,8 +9,8 @@ and torch:
     def causal(b, h, q_idx, kv_idx):
         return ops.greater_equal(q_idx, kv_idx)
 
-`create_block_mask` evaluates it once, eagerly, a few rows of query blocks at a time
-(never the whole `(T, S)` grid), and records for every (query block, key block) pair
+`create_block_mask` evaluates it once, eagerly, a tile of whole blocks at a time (at
+most 2 Mi entries: never the whole `(T, S)` grid), and records for every (query block, key block) pair
 whether it is empty (no query sees any key: never computed), full (every query sees
 every key: no mask needed) or partial. The named patterns `causal`, `sliding_window`
 and `prefix_lm` are classified from each block's first and last positions instead,
@@ -37,8 +37,9 @@ from keras import ops
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
-# Entries of the `(B, H, rows, S)` grid evaluated at once by `create_block_mask`.
-_GRID_BUDGET = 1 << 24
+# Entries of the `(B, H, q, k)` grid evaluated at once by `create_block_mask` and
+# `to_dense` (a tile of whole blocks; at least one block).
+_GRID_BUDGET = 1 << 21
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -124,33 +125,34 @@ class BlockMask:
     def to_dense(self):
         """The whole mask as a NumPy bool array `(B or 1, H or 1, T, S)`, for
         debugging and tests (it holds `T x S` entries)."""
-        rows = []
-        for start, size in _row_steps(self.query_length, self._row_step()):
-            rows.append(_evaluate(self.mask_mod, self.kinds.shape[:2], start, size, self))
-        return np.concatenate(rows, axis=2)
+        dense = np.empty(self.kinds.shape[:2] + (self.query_length, self.key_length), bool)
+        for (q0, qn, k0, kn), grid in _grids(self):
+            dense[:, :, q0 : q0 + qn, k0 : k0 + kn] = grid
+        return dense
 
-    def _row_step(self):
-        batch, heads = self.kinds.shape[:2]
-        q_block = self.block_size[0]
-        blocks = max(1, _GRID_BUDGET // max(1, batch * heads * q_block * self.key_length))
-        return blocks * q_block
+    def _tiles(self):
+        """`(query_start, query_size, key_start, key_size)` of the grid's tiles, in
+        order: whole blocks, at most `_GRID_BUDGET` entries each (at least one block),
+        a row of query blocks split along the keys only where it holds more."""
+        (q_block, kv_block), lead = self.block_size, int(np.prod(self.kinds.shape[:2]))
+        per_key_block = lead * q_block * kv_block
+        key_step = max(1, _GRID_BUDGET // per_key_block) * kv_block
+        key_step = min(key_step, _block_bounds(self.key_length, kv_block).shape[1] * kv_block)
+        query_step = max(1, _GRID_BUDGET // (lead * q_block * key_step)) * q_block
+        return [
+            (q0, min(query_step, self.query_length - q0), k0, min(key_step, self.key_length - k0))
+            for q0 in range(0, self.query_length, query_step)
+            for k0 in range(0, self.key_length, key_step)
+        ]
 
     def evaluate(self, query_start, query_size, key_start, key_size):
         """The mask of query positions `[query_start, +query_size)` against keys
         `[key_start, +key_size)`: a boolean tensor broadcastable to
         `(B, H, q, k)`. Starts may be scalar tensors (a compiled loop's)."""
         batch, heads = self.kinds.shape[:2]
-        b = ops.reshape(ops.arange(batch, dtype="int32"), (batch, 1, 1, 1))
-        h = ops.reshape(ops.arange(heads, dtype="int32"), (1, heads, 1, 1))
-        q_idx = ops.arange(query_size, dtype="int32") + query_start
-        kv_idx = ops.arange(key_size, dtype="int32") + key_start
-        out = self.mask_mod(b, h, q_idx[None, None, :, None], kv_idx[None, None, None, :])
-        out = ops.convert_to_tensor(out)
-        if "bool" not in str(out.dtype):
-            out = ops.cast(out, "bool")
-        while len(out.shape) < 4:
-            out = ops.expand_dims(out, 0)
-        return out
+        b, h = _indices(0, batch, 0), _indices(0, heads, 1)
+        q_idx, kv_idx = _indices(query_start, query_size, 2), _indices(key_start, key_size, 3)
+        return _apply(self.mask_mod, b, h, q_idx, kv_idx)
 
     def block(self, query_start, query_size, key_start, key_size):
         """Like `evaluate`, but `None` where the block map says every entry is true
@@ -246,10 +248,11 @@ class BlockMask:
 
 
 def create_block_mask(mask_mod, B, H, T, S, block_size=128):
-    """Evaluates `mask_mod` block row by block row and records its block map.
+    """Evaluates `mask_mod` tile by tile and records its block map.
 
-    The mask is evaluated eagerly, in steps of whole query blocks holding at most
-    16 Mi entries of the `(B, H, rows, S)` grid, and reduced per block on the host;
+    The mask is evaluated eagerly, in tiles of whole blocks holding at most 2 Mi
+    entries of the `(B, H, T, S)` grid (a row of query blocks split along the keys
+    where it holds more), and reduced per block on the host;
     only the map `(B, H, T / q_block, S / kv_block)` is kept. Build it once (outside
     any `jit` or `tf.function`) and reuse it for every layer and step.
 
@@ -298,37 +301,32 @@ def create_block_mask(mask_mod, B, H, T, S, block_size=128):
     queries, keys = _block_bounds(T, q_block), _block_bounds(S, kv_block)
     causal = _causal_kinds(*queries[:, :, None], *keys[:, None, :])  # (nq, nk)
     is_causal = True
-    for start, size in _row_steps(T, draft._row_step()):
-        dense = _evaluate(mask_mod, lead, start, size, draft)
+    for (q0, _, k0, _), dense in _grids(draft):
         some, every = _reduce(dense, q_block, kv_block)
-        rows = slice(start // q_block, start // q_block + some.shape[2])
-        kinds[:, :, rows] = np.where(every, FULL, np.where(some, PARTIAL, EMPTY))
-        is_causal = is_causal and _causal_rows(dense, kinds[:, :, rows], causal[rows], start, draft)
+        rows = slice(q0 // q_block, q0 // q_block + some.shape[2])
+        cols = slice(k0 // kv_block, k0 // kv_block + some.shape[3])
+        kinds[:, :, rows, cols] = _kinds(every, some)
+        tile = (dense, kinds[:, :, rows, cols], causal[rows, cols], q0, k0)
+        is_causal = is_causal and _causal_tile(*tile, draft)
     return BlockMask(mask_mod, kinds, T, S, block_size, B, H, is_causal)
 
 
-def _causal_rows(dense, kinds, causal, start, mask):
-    """Whether rows of query blocks from position `start` (`dense`, their evaluated
-    `(B, H, rows, S)` grid; `kinds`, their blocks) are exactly causal: their blocks'
-    kinds are causal's (`causal`), and each partial block holds `kv <= q` entry by
-    entry (causal's diagonal: a few blocks per row, read from the grid already
-    evaluated)."""
+def _causal_tile(dense, kinds, causal, q_start, k_start, mask):
+    """Whether a tile from query `q_start` and key `k_start` (`dense`, its evaluated
+    `(B, H, q, k)` grid; `kinds`, its blocks) is exactly causal: its blocks' kinds are
+    causal's (`causal`), and each partial block holds `kv <= q` entry by entry
+    (causal's diagonal: a few blocks per row, read from the grid already evaluated)."""
     if not np.array_equal(kinds, np.broadcast_to(causal, kinds.shape)):
         return False
     q_block, kv_block = mask.block_size
     for i, j in zip(*np.nonzero(causal == PARTIAL)):
         q0, k0 = i * q_block, j * kv_block
         block = dense[:, :, q0 : q0 + q_block, k0 : k0 + kv_block]
-        q = np.arange(start + q0, start + q0 + block.shape[2])[:, None]
-        if not np.array_equal(
-            block, np.broadcast_to(q >= np.arange(k0, k0 + block.shape[3]), block.shape)
-        ):
+        q = np.arange(q_start + q0, q_start + q0 + block.shape[2])[:, None]
+        kv = np.arange(k_start + k0, k_start + k0 + block.shape[3])
+        if not np.array_equal(block, np.broadcast_to(q >= kv, block.shape)):
             return False
     return True
-
-
-def _row_steps(length, step):
-    return [(start, min(step, length - start)) for start in range(0, length, step)]
 
 
 def _block_bounds(length, block):
@@ -341,23 +339,64 @@ def _kinds(every, some):
     return np.where(every, FULL, np.where(some, PARTIAL, EMPTY))
 
 
-def _evaluate(mask_mod, lead, start, size, mask):
-    """The `(B, H, size, S)` NumPy bool grid of query rows `[start, +size)`."""
-    dense = mask.evaluate(start, size, 0, mask.key_length)
-    dense = np.asarray(ops.convert_to_numpy(dense), bool)
-    return np.broadcast_to(dense, lead + (size, mask.key_length))
+def _indices(start, size, axis):
+    """int32 indices `[start, start + size)` along `axis` of a 4-D tensor; `start` may
+    be a scalar tensor (a compiled loop's). From NumPy where it is an int: one op
+    (describing a mask calls this for every tile: TensorFlow's eager ops are slow)."""
+    shape = [1, 1, 1, 1]
+    shape[axis] = size
+    if isinstance(start, (int, np.integer)):
+        return ops.convert_to_tensor(np.arange(start, start + size, dtype=np.int32).reshape(shape))
+    return ops.reshape(ops.arange(size, dtype="int32") + start, shape)
+
+
+def _apply(mask_mod, b, h, q_idx, kv_idx):
+    """`mask_mod` on the index tensors, as a 4-D bool tensor."""
+    out = ops.convert_to_tensor(mask_mod(b, h, q_idx, kv_idx))
+    if "bool" not in str(out.dtype):
+        out = ops.cast(out, "bool")
+    while len(out.shape) < 4:
+        out = ops.expand_dims(out, 0)
+    return out
+
+
+def _grids(mask):
+    """`((query_start, query_size, key_start, key_size), grid)` for each of `mask`'s
+    tiles, `grid` its `(B or 1, H or 1, q, k)` NumPy bool values: the index tensors
+    made once per row and column of tiles, not per tile."""
+    lead = mask.kinds.shape[:2]
+    b, h = _indices(0, lead[0], 0), _indices(0, lead[1], 1)
+    rows, columns = {}, {}
+    for q0, qn, k0, kn in mask._tiles():
+        if (q0, qn) not in rows:
+            rows = {(q0, qn): _indices(q0, qn, 2)}  # the tiles go row by row
+        if (k0, kn) not in columns:
+            columns[(k0, kn)] = _indices(k0, kn, 3)
+        grid = _apply(mask.mask_mod, b, h, rows[(q0, qn)], columns[(k0, kn)])
+        grid = np.asarray(ops.convert_to_numpy(grid), bool)
+        yield (q0, qn, k0, kn), np.broadcast_to(grid, lead + (qn, kn))
+
+
+# A word of 8 true bytes: `_reduce` reads a grid of whole blocks 8 entries at a time.
+_TRUE_WORD = np.frombuffer(np.ones(8, bool).tobytes(), np.uint64)[0]
 
 
 def _reduce(dense, q_block, kv_block):
-    """`(some, every)` per block of a `(B, H, rows, S)` grid (rows from a block's
-    start): whether some entry, and every entry that exists, is true."""
+    """`(some, every)` per block of a `(B, H, q, k)` grid (from a block's start):
+    whether some entry, and every entry that exists, is true."""
     batch, heads, rows, keys = dense.shape
     nq, nk = math.ceil(rows / q_block), math.ceil(keys / kv_block)
     pad = ((0, 0), (0, 0), (0, nq * q_block - rows), (0, nk * kv_block - keys))
     shape = (batch, heads, nq, q_block, nk, kv_block)
-    if not any(after for _, after in pad):  # whole blocks: one count per block
-        counts = dense.reshape(shape).sum(axis=(3, 5), dtype=np.int32)
-        return counts > 0, counts == q_block * kv_block
+    if not any(after for _, after in pad) and kv_block % 8 == 0:
+        # Whole blocks: the grid as words of 8 entries, ORed and ANDed over each block's
+        # query rows (whole rows at a time), then over each block's words.
+        words = np.ascontiguousarray(dense).view(np.uint64)
+        words = words.reshape(batch, heads, nq, q_block, -1)
+        some, every = np.bitwise_or.reduce(words, axis=3), np.bitwise_and.reduce(words, axis=3)
+        some = np.bitwise_or.reduce(some.reshape(batch, heads, nq, nk, -1), axis=4)
+        every = np.bitwise_and.reduce(every.reshape(batch, heads, nq, nk, -1), axis=4)
+        return some != 0, every == _TRUE_WORD
     some = np.pad(dense, pad, constant_values=False).reshape(shape).any(axis=(3, 5))
     every = np.pad(dense, pad, constant_values=True).reshape(shape).all(axis=(3, 5))
     return some, every

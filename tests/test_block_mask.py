@@ -270,18 +270,26 @@ def test_create_block_mask_rejects_bad_arguments():
         bm_lib.create_block_mask(bm_lib.causal(), None, None, 4, 4, block_size=(2, 0))
 
 
-def test_block_map_is_built_by_rows_of_blocks(monkeypatch):
-    """The mask_mod never sees the whole `(T, S)` grid at once."""
-    monkeypatch.setattr(bm_lib, "_GRID_BUDGET", 8 * 64)
-    seen = []
+@pytest.mark.parametrize("budget, key_sizes", [(8 * 64, {61}), (8 * 16, {16, 13})])
+def test_block_map_is_built_by_tiles_of_blocks(monkeypatch, budget, key_sizes):
+    """The mask_mod never sees the whole `(T, S)` grid at once: tiles of whole blocks,
+    a row of blocks split along the keys where it holds more than the budget, give
+    the map and the dense view of one evaluation of the whole grid."""
 
     def mod(b, h, qi, ki):
-        seen.append(tuple(qi.shape))
-        return ops.greater_equal(qi, ki)
+        seen.append((qi.shape[2], ki.shape[3]))
+        return ops.logical_or(ops.greater_equal(qi, ki), ops.equal(ki, 17))
 
-    mask = bm_lib.create_block_mask(mod, None, None, 64, 64, block_size=8)
-    assert max(shape[2] for shape in seen) == 8
-    assert mask.kinds.shape == (1, 1, 8, 8)
+    seen = []
+    whole = bm_lib.create_block_mask(mod, None, None, 60, 61, block_size=8)
+    assert seen == [(60, 61)]  # within the default budget: one tile
+    seen.clear()
+    monkeypatch.setattr(bm_lib, "_GRID_BUDGET", budget)
+    mask = bm_lib.create_block_mask(mod, None, None, 60, 61, block_size=8)
+    assert {q for q, _ in seen} == {8, 4} and {k for _, k in seen} == key_sizes
+    np.testing.assert_array_equal(mask.kinds, whole.kinds)
+    assert {bm_lib.EMPTY, bm_lib.PARTIAL, bm_lib.FULL} <= set(mask.kinds.ravel())
+    np.testing.assert_array_equal(mask.to_dense(), whole.to_dense())
 
 
 # ---------------------------------------------------------------------- kernels
