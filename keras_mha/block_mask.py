@@ -11,9 +11,9 @@ and torch:
 
 `create_block_mask` evaluates it once, eagerly, a tile of whole blocks at a time (at
 most 2 Mi entries: never the whole `(T, S)` grid), and records for every (query block,
-key block) pair whether it is empty (no query sees any key: never computed), full (every query sees
-every key: no mask needed) or partial. The named patterns `causal`, `sliding_window`
-and `prefix_lm` are classified from each block's first and last positions instead,
+key block) pair whether it is empty (no query sees any key: never computed), full
+(every query sees every key: no mask needed) or partial. The named patterns `causal`,
+`sliding_window` and `prefix_lm` are classified from each block's first and last positions instead,
 without evaluating an entry: the same map, from `(T / q_block) x (S / kv_block)` pairs.
 The `BlockMask` is plain NumPy plus the function: build it once, pass it to every layer
 and every step. Kernels read it through `masks.AttentionMask.block_mask`, ANDed with the
