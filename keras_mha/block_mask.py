@@ -11,13 +11,13 @@ and torch:
 
 `create_block_mask` evaluates it once, eagerly, a tile of whole blocks at a time (at
 most 2 Mi entries: never the whole `(T, S)` grid), and records for every (query block,
-key block) pair whether it is empty (no query sees any key: never computed), full
-(every query sees every key: no mask needed) or partial. The named patterns `causal`,
-`sliding_window` and `prefix_lm` are classified from each block's first and last positions instead,
-without evaluating an entry: the same map, from `(T / q_block) x (S / kv_block)` pairs.
-The `BlockMask` is plain NumPy plus the function: build it once, pass it to every layer
-and every step. Kernels read it through `masks.AttentionMask.block_mask`, ANDed with the
-call's other masks.
+key block) pair whether it is empty (no query sees any key: never computed), full (every
+query sees every key: no mask needed) or partial. The named patterns `causal`,
+`sliding_window` and `prefix_lm` are classified from each block's first and last
+positions instead, without evaluating an entry: the same map, from `(T / q_block) x (S /
+kv_block)` pairs. The `BlockMask` is plain NumPy plus the function: build it once, pass
+it to every layer and every step. Kernels read it through
+`masks.AttentionMask.block_mask`, ANDed with the call's other masks.
 
 Positions are absolute: with a KV cache, `q_idx` is `cache_update_index + t`, so the
 block mask of a decoder is built for `T = S = max_length`.
