@@ -137,7 +137,7 @@ class BlockMask:
         (q_block, kv_block), lead = self.block_size, int(np.prod(self.kinds.shape[:2]))
         per_key_block = lead * q_block * kv_block
         key_step = max(1, _GRID_BUDGET // per_key_block) * kv_block
-        key_step = min(key_step, _block_bounds(self.key_length, kv_block).shape[1] * kv_block)
+        key_step = min(key_step, self.kinds.shape[3] * kv_block)  # at most the whole row
         query_step = max(1, _GRID_BUDGET // (lead * q_block * key_step)) * q_block
         return [
             (q0, min(query_step, self.query_length - q0), k0, min(key_step, self.key_length - k0))
@@ -306,8 +306,8 @@ def create_block_mask(mask_mod, B, H, T, S, block_size=128):
         rows = slice(q0 // q_block, q0 // q_block + some.shape[2])
         cols = slice(k0 // kv_block, k0 // kv_block + some.shape[3])
         kinds[:, :, rows, cols] = _kinds(every, some)
-        tile = (dense, kinds[:, :, rows, cols], causal[rows, cols], q0, k0)
-        is_causal = is_causal and _causal_tile(*tile, draft)
+        tile_kinds, tile_causal = kinds[:, :, rows, cols], causal[rows, cols]
+        is_causal = is_causal and _causal_tile(dense, tile_kinds, tile_causal, q0, k0, draft)
     return BlockMask(mask_mod, kinds, T, S, block_size, B, H, is_causal)
 
 
@@ -366,13 +366,13 @@ def _grids(mask):
     made once per row and column of tiles, not per tile."""
     lead = mask.kinds.shape[:2]
     b, h = _indices(0, lead[0], 0), _indices(0, lead[1], 1)
-    rows, columns = {}, {}
+    row, q_idx, columns = None, None, {}
     for q0, qn, k0, kn in mask._tiles():
-        if (q0, qn) not in rows:
-            rows = {(q0, qn): _indices(q0, qn, 2)}  # the tiles go row by row
-        if (k0, kn) not in columns:
-            columns[(k0, kn)] = _indices(k0, kn, 3)
-        grid = _apply(mask.mask_mod, b, h, rows[(q0, qn)], columns[(k0, kn)])
+        if row != q0:  # the tiles go row by row
+            row, q_idx = q0, _indices(q0, qn, 2)
+        if k0 not in columns:
+            columns[k0] = _indices(k0, kn, 3)
+        grid = _apply(mask.mask_mod, b, h, q_idx, columns[k0])
         grid = np.asarray(ops.convert_to_numpy(grid), bool)
         yield (q0, qn, k0, kn), np.broadcast_to(grid, lead + (qn, kn))
 
