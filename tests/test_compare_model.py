@@ -287,6 +287,50 @@ def test_a_file_compiled_with_jit_compile_is_checked_without_torch_compile(
         assert json.loads(written.read("config.json"))["compile_config"]["jit_compile"] is True
 
 
+class _ReadsItsValues(keras.layers.Layer):
+    """Identity that reads its input's values in Python: runs eagerly only."""
+
+    def call(self, x):
+        if float(keras.ops.convert_to_numpy(keras.ops.max(x))) > 1e30:
+            raise ValueError("unreachable")
+        return x
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's compiled gradient")
+@pytest.mark.parametrize("eager_only", [False, True], ids=["traces", "reads_values"])
+def test_jax_weight_gradients_compile_where_the_model_traces(eager_only, monkeypatch):
+    """The parity check's gradient on JAX is one compiled program where the model
+    traces, and eager where its code reads values: the same gradients either way."""
+    import jax
+
+    from keras_mha.compare import model as compare_model
+
+    inputs = keras.Input((4,))
+    hidden = _ReadsItsValues()(inputs) if eager_only else inputs
+    net = keras.Model(inputs, keras.layers.Dense(2, use_bias=False)(hidden))
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype("float32")
+    cotangent = np.random.default_rng(1).standard_normal((3, 2)).astype("float32")
+    compiled, jit = [], jax.jit
+
+    def counting_jit(fn, *args, **kwargs):
+        run = jit(fn, *args, **kwargs)
+
+        def call(*call_args):
+            found = run(*call_args)
+            compiled.append(fn)
+            return found
+
+        return call
+
+    monkeypatch.setattr(jax, "jit", counting_jit)
+    (grad,) = compare_model._weight_gradients(net, x, [cotangent])
+    np.testing.assert_allclose(grad, x.T @ cotangent, rtol=1e-5, atol=1e-6)
+    assert len(compiled) == (0 if eager_only else 1)
+
+
 def test_swap_file_reports_a_difference_above_tolerance(saved, tmp_path):
     result = compare.swap_file(saved["classifier"], str(tmp_path / "o.keras"), perturb=0.05)
     assert result["passed"] is False and result["max_abs_diff"] > 1e-4

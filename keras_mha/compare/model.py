@@ -365,7 +365,7 @@ def _weight_gradients(model, inputs, cotangents):
     import keras
     from keras import ops
 
-    def loss_of(outputs):
+    def loss_of(outputs, cotangents=cotangents):
         terms = [
             ops.sum(ops.multiply(ops.cast(o, "float32"), ops.convert_to_tensor(c)))
             for o, c in zip(keras.tree.flatten(outputs), cotangents)
@@ -391,11 +391,20 @@ def _weight_gradients(model, inputs, cotangents):
 
         non_trainable = [v.value for v in model.non_trainable_variables]
 
-        def objective(trainable):
+        def objective(trainable, inputs, cotangents):
             outputs, _ = model.stateless_call(trainable, non_trainable, inputs, training=False)
-            return loss_of(outputs)
+            return loss_of(outputs, cotangents)
 
-        grads = jax.grad(objective)([v.value for v in variables])
+        # Compiled: one program per model and input shape (the padded case reuses it)
+        # instead of every eager op compiled on its own. A model that does not trace
+        # (its code reads its tensors' values: Keras then raises whatever the
+        # rewrapped JAX error becomes) runs eagerly, where a genuine error raises
+        # again (`keras-mha swap` on JAX: the Benchmarks page, "Test-suite times").
+        gradient, args = jax.grad(objective), ([v.value for v in variables], inputs, cotangents)
+        try:
+            grads = jax.jit(gradient)(*args)
+        except Exception:
+            grads = gradient(*args)
         return [np.asarray(g) for g in grads]
     if backend == "torch":
         for v in variables:
