@@ -25,7 +25,9 @@ The chunks are visited one of three ways (`Policy.loop`, `Policy.dynamic`):
   chunk's, one key block at a time.
 - in a dynamic loop (a TensorFlow graph's while loop): each step's tensors change
   size, so every chunk again sees only its key range; the rows grow by one chunk per
-  step (`_Rows`).
+  step (`_Rows`). With a block mask whose chunks have gaps between non-empty key
+  blocks, each chunk visits its runs of them in an inner loop as a static loop
+  visits its blocks (`_LoopRuns`).
 
 A `T` unknown when tracing is one chunk, unless the loop is dynamic.
 """
@@ -34,6 +36,7 @@ import contextlib
 import dataclasses
 from typing import Any
 
+import numpy as np
 from keras import backend, ops
 
 from keras_mha import masks
@@ -168,6 +171,7 @@ class _Plan:
     keys: Any = None  # `S`: static, or a scalar tensor in a dynamic loop
     key_multiple: int = 1  # a dynamic loop's key ranges: widened out to multiples
     segments: tuple = ()  # unrolled, with a block mask: per chunk, its non-empty key runs
+    runs: Any = None  # a dynamic loop with a block mask: `_LoopRuns`, or `None`
     in_place_sums: bool = False  # unrolled: the key and value gradients summed in place
 
     @classmethod
@@ -217,7 +221,8 @@ class _Plan:
         segments = ()
         if not loop and mask is not None and mask.block_mask is not None:
             segments = tuple(mask.block_runs(*c, *r) for c, r in zip(chunks, ranges))
-        return dataclasses.replace(plan, ranges=ranges, segments=segments)
+        runs = _LoopRuns.make(plan) if dynamic else None
+        return dataclasses.replace(plan, ranges=ranges, segments=segments, runs=runs)
 
     def segments_of(self, i, inputs):
         """The unrolled chunk `i`'s runs of non-empty key blocks, where its block
@@ -279,6 +284,17 @@ class _Plan:
             )
         return lo, (hi - lo + self.key_block - 1) // self.key_block
 
+    def visits(self, inputs, start, size):
+        """`(count, block_of)`: a loop's chunk of queries `[start, start + size)`
+        visits the `_Block`s `block_of(j)`, `j < count` (a scalar tensor): a static
+        loop's key blocks (`key_blocks`), or a dynamic loop's runs of non-empty map
+        blocks (`_LoopRuns`)."""
+        if self.runs is not None:
+            lo, hi = self.key_range(start, size)
+            return self.runs.visits(inputs, start, size, lo, hi)
+        lo, count = self.key_blocks(start, size)
+        return count, lambda j: self.key_block_of(inputs, start, size, lo, j)
+
     def key_block_of(self, inputs, start, size, lo, j):
         """The `_Block` of queries `[start, start + size)` and key block `j` from
         `lo` (`key_blocks`; with a block mask, block `lo[j]`). The last block's slice
@@ -318,6 +334,63 @@ class _Plan:
             return start, end - start
 
         return count, chunk, ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoopRuns:
+    """A dynamic loop's chunks over a block mask: per chunk, its runs of consecutive
+    non-empty key blocks (`AttentionMask.block_runs`), each visited as a block of its
+    own (the blocks between them never are), narrowed at run time to the chunk's key
+    range (padding, documents).
+
+    `starts`, `ends`: `(chunks, runs)` int32, chunk `i` as `_Plan.looped` numbers it
+    (the last queries first), its runs ascending, padded with empty `(S, S)` runs."""
+
+    starts: Any
+    ends: Any
+    chunk_size: int
+    query_length: int
+
+    @classmethod
+    def make(cls, plan):
+        """The runs of `plan`'s dynamic loop, or `None` where no chunk has a gap
+        between its non-empty key blocks (or `T`, `S` or the offset is not static)."""
+        mask, length, keys = plan.mask, plan.query_length, plan.key_length
+        if mask is None or mask.block_mask is None or length is None or keys is None:
+            return None
+        size = plan.chunk_size
+        runs = []
+        for end in range(length, 0, -size):  # `_Plan.looped`'s order
+            start = max(end - size, 0)
+            found = mask.block_runs(start, end - start, 0, keys)
+            if found is None:
+                return None
+            runs.append(found)
+        if max(map(len, runs), default=0) < 2:
+            return None
+        width = max(map(len, runs))
+        table = np.full((len(runs), width, 2), keys, "int32")
+        for i, chunk_runs in enumerate(runs):
+            table[i, : len(chunk_runs)] = chunk_runs
+        return cls(table[..., 0], table[..., 1], size, length)
+
+    def visits(self, inputs, start, size, lo, hi):
+        """`(count, block_of)` of the chunk of queries `[start, start + size)` within
+        keys `[lo, hi)`: its runs that meet the range, each cut to it."""
+        i = (self.query_length - (start + size)) // self.chunk_size
+        starts = ops.take(ops.convert_to_tensor(self.starts), i, axis=0)
+        ends = ops.take(ops.convert_to_tensor(self.ends), i, axis=0)
+        # Runs are ascending and disjoint: those ending by `lo` come first, those
+        # starting from `hi` last.
+        first = ops.sum(ops.cast(ops.less_equal(ends, lo), "int32"))
+        stop = ops.sum(ops.cast(ops.less(starts, hi), "int32"))
+
+        def block_of(j):
+            run_lo = ops.maximum(ops.take(starts, first + j), lo)
+            run_hi = ops.minimum(ops.take(ends, first + j), hi)
+            return _Block(inputs, start, size, run_lo, run_hi - run_lo)
+
+        return ops.maximum(stop - first, 0), block_of
 
 
 class _Inputs:
@@ -453,13 +526,14 @@ def _forward_chunk(block):
 def _forward_blocks(plan, inputs, start, size):
     """`(output, logsumexp)` of one chunk of a static loop, `(B, N, size, Hv)` and
     `(B, N, size, 1)` float32 like `_forward_chunk`'s, over its visible key blocks
-    only (`_Plan.key_blocks`), in a loop whose trip count is known at run time:
+    only (`_Plan.visits`: a static loop's key blocks, a dynamic loop's runs of
+    non-empty map blocks), in a loop whose trip count is known at run time:
     FlashAttention's online softmax, a running row maximum `peak`, sum of weights
     `total` and weighted sum of values `acc` rescaled as the maximum grows. A sink
     starts the row (`peak` its logit, `total` 1); a chunk with no block gives zero
     output and `logits.NO_KEYS` (no sink), as a row with no key.
     """
-    lo, count = plan.key_blocks(start, size)
+    count, block_of = plan.visits(inputs, start, size)
     shape = ops.shape(inputs.q)
     rows = (shape[0], shape[1], size, 1)
     if inputs.sink is None:
@@ -470,7 +544,7 @@ def _forward_blocks(plan, inputs, start, size):
 
     def step(j, state):
         peak, total, acc = state
-        block = plan.key_block_of(inputs, start, size, lo, j)
+        block = block_of(j)
         x, mask, _, _ = block.logits()
         if mask is not None:
             x = ops.where(mask, x, logits_lib.MASKED)
@@ -560,7 +634,7 @@ def _forward_loop(plan, inputs):
 
     def visit(start, size, state):
         output, logsumexp = state
-        if plan.key_block:
+        if plan.key_block or plan.runs is not None:
             chunk, chunk_logsumexp = _forward_blocks(plan, inputs, start, size)
         else:
             lo, hi = plan.key_range(start, size)
@@ -676,7 +750,7 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     def visit(start, size, lo, hi, state, runs=None):
         rows = [masks.slice_along(t, 2, start, size) for t in (d_out, correction, logsumexp)]
         rows += [masks.slice_along(t, 3, start, size) for t in (query_t, d_out_t)]
-        if plan.key_block:
+        if plan.key_block or plan.runs is not None:
             return total.add_blocks(state, start, size, rows)
         if runs:
             block = inputs.block(start, size, runs[0][0], runs[-1][1] - runs[0][0])
@@ -764,12 +838,14 @@ class _Gradients:
         return state
 
     def add_blocks(self, state, start, size, rows):
-        """`state` with the gradients of a static loop's chunk added, its key blocks
-        visited in a loop as the forward pass visits them (`_forward_blocks`): the
-        key, value and bias parts added in place at each block's keys (a moved last
-        block's masked keys add zeros), the query part summed over the blocks."""
+        """`state` with the gradients of a loop's chunk added, its key blocks (a
+        dynamic loop's runs) visited in a loop as the forward pass visits them
+        (`_forward_blocks`): the key, value and bias parts added at each block's keys
+        (in place in a static loop; a moved last block's masked keys add zeros), the
+        query part summed over the blocks."""
         inputs, plan = self.inputs, self.plan
-        lo, count = plan.key_blocks(start, size)
+        count, block_of = plan.visits(inputs, start, size)
+        padded = plan.dynamic
         shape = ops.shape(inputs.q)
         d_query = ops.zeros((shape[0], shape[1], size, shape[3]), "float32")
         has_bias = self.bias_shape is not None
@@ -779,14 +855,14 @@ class _Gradients:
 
         def step(j, sums):
             d_query, d_key, d_value, *d_bias = sums[: len(sums) - mods]
-            block = plan.key_block_of(inputs, start, size, lo, j)
+            block = block_of(j)
             parts = _backward_chunk(block, rows, sink=False)
             at = [0, 0, 0, block.lo]
-            new = [d_query + parts[0], _add_at(d_key, parts[1], at, False)]
-            new.append(_add_at(d_value, parts[2], at, False))
+            new = [d_query + parts[0], _add_at(d_key, parts[1], at, padded)]
+            new.append(_add_at(d_value, parts[2], at, padded))
             if has_bias:
                 part = self._bias_part(parts[3])
-                new.append(_add_at(d_bias[0], part, self._bias_at(block), False))
+                new.append(_add_at(d_bias[0], part, self._bias_at(block), padded))
             return _add_mod(tuple(new) + tuple(sums[len(new) :]), parts[5])
 
         kept = (d_query, state[1], state[2]) + ((state[3],) if has_bias else ())
