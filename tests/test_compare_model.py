@@ -389,3 +389,40 @@ def test_the_reference_is_the_first_installed_backend_free_of_the_defect():
     assert known.reference_backend("torch", {"jax", "torch"}) == "jax"
     assert known.reference_backend("tensorflow", {"jax", "tensorflow"}) == "jax"
     assert known.reference_backend("torch", {"torch"}) is None
+
+
+def test_a_reference_is_computed_once_per_file_inputs_and_cotangents(tmp_path, monkeypatch):
+    """`compare --model` and `swap` of one file in one process share the reference's
+    child; a file changed on disk, other cotangents or a failed child run it again."""
+    from keras_mha.compare import workers
+
+    monkeypatch.setattr(workers, "_REFERENCES", {})
+    spawned, fail = [], []
+
+    def spawn(backend, spec, on_record=None, env=None):
+        spawned.append(spec["path"])
+        if fail:
+            return [], 1, ["boom"]
+        np.savez(spec["found"], output_0=np.ones(2, "float32"), grad_0=np.zeros(3, "float32"))
+        return [{"outputs": 1, "grads": 1}], 0, []
+
+    monkeypatch.setattr(workers, "_spawn", spawn)
+    path = tmp_path / "m.keras"
+    path.write_bytes(b"model")
+    arrays, cotangents = [np.arange(4, dtype="int32")], [np.ones(2, "float32")]
+
+    def reference(cotangents=cotangents):
+        return workers.run_reference("tensorflow", str(path), ["m"], arrays, cotangents)
+
+    first = reference()
+    assert first["backend"] == "tensorflow" and first["outputs"][0].tolist() == [1.0, 1.0]
+    assert reference() is first and len(spawned) == 1
+    reference([np.full(2, 2.0, "float32")])
+    assert len(spawned) == 2
+    path.write_bytes(b"model, saved again")
+    reference()
+    assert len(spawned) == 3
+    fail.append(True)
+    path.write_bytes(b"a third model")
+    assert reference() is None and reference() is None
+    assert len(spawned) == 5

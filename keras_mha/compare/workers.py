@@ -185,15 +185,42 @@ def run_swap(backend, in_path, out_path, imports=(), inputs=None, perturb=0.0):
 def run_reference(backend, path, imports, arrays, cotangents):
     """The model of a `.keras` file as it is (the built-in), on `backend` in a child
     process: its outputs and the gradients of `sum_i sum(output_i * cotangent_i)` with
-    respect to its trainable weights, on `arrays` (`model.builtin_reference`).
+    respect to its trainable weights, on `arrays` (`model.builtin_reference`). Once per
+    process for the same backend, file (as it is on disk), imports, arrays and
+    cotangents: `compare --model`'s and `swap`'s checks of one file share it.
 
     Returns:
         `{"backend", "outputs", "grads"}` (lists of NumPy arrays), or `None` where the
         child failed.
     """
+    _check_backend(backend)
+    key = _reference_key(backend, path, imports, arrays, cotangents)
+    if _REFERENCES.get(key) is None:  # a failed child is tried again
+        _REFERENCES[key] = _run_reference(backend, path, imports, arrays, cotangents)
+    return _REFERENCES[key]
+
+
+_REFERENCES = {}
+
+
+def _reference_key(backend, path, imports, arrays, cotangents):
+    import hashlib
+
     import numpy as np
 
-    _check_backend(backend)
+    stat = os.stat(path)
+    digest = hashlib.sha256()
+    for a in [*arrays, *cotangents]:
+        a = np.ascontiguousarray(a)
+        digest.update(f"{a.dtype}{a.shape}".encode())
+        digest.update(a.tobytes())
+    where = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    return backend, where, tuple(imports), digest.hexdigest()
+
+
+def _run_reference(backend, path, imports, arrays, cotangents):
+    import numpy as np
+
     with tempfile.TemporaryDirectory(prefix="keras-mha-reference-") as tmp:
         given, found = os.path.join(tmp, "given.npz"), os.path.join(tmp, "found.npz")
         np.savez(
