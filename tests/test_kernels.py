@@ -11,7 +11,7 @@ from helpers import BACKEND, fingerprint, to_numpy, value_and_grads
 from keras import ops
 from reference import reference_attention
 
-from keras_mha import equations, kernels, masks
+from keras_mha import block_mask, equations, kernels, masks
 from keras_mha.kernels import chunked, explicit, fused, logits
 
 B, T, N, H = 2, 13, 3, 4
@@ -462,6 +462,60 @@ def test_fused_skips_a_chunk_whose_queries_are_all_padding(rng, monkeypatch):
     fused.attention(q, k, v, scale=0.5, mask=_tensorize(mask), chunk_size=4)
     assert calls == [4, 4]
     _assert_same("fused", mask, (q, k, v))
+
+
+@pytest.mark.parametrize("masking", ["causal+window", "block-mask", "documents"])
+def test_fused_chunks_take_their_rows_as_pieces_of_one_cut(rng, monkeypatch, masking):
+    """The chunks of the fused kernel (each with its own key range, or runs of key
+    blocks), and the documents of packed rows, take their queries, keys and values as
+    pieces of one `split` per tensor (per batch row for documents), never as slices:
+    under torch's autograd a slice's gradient is a zero tensor of the whole input, one
+    per slice (a sliding-window train step spent a quarter of its time filling them).
+    The results and gradients stay the explicit kernel's."""
+    if masking == "block-mask":
+
+        def global_sliding(b, h, q, k):  # keys near the query, and the first two
+            return ops.logical_or(ops.less(ops.abs(q - k), 2), ops.less(k, 2))
+
+        mask = masks.AttentionMask(
+            block_mask=block_mask.create_block_mask(global_sliding, None, None, T, T, 3)
+        )
+    elif masking == "documents":
+        mask = _tensorize(_packed_mask((6, 5), T, True))
+    else:
+        mask = masks.AttentionMask(causal=True, window=4)
+    q, k, v = (ops.convert_to_tensor(x) for x in _inputs(rng))
+    sliced = []
+    slice_along = fused.masks_lib.slice_along
+
+    def spy(x, *args):
+        if any(x is y for y in (q, k, v)):
+            sliced.append(args)
+        return slice_along(x, *args)
+
+    monkeypatch.setattr(fused.masks_lib, "slice_along", spy)
+    if BACKEND == "torch":
+        import torch
+
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        output = fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
+        nodes, seen, todo = [], set(), [output.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            nodes.append(type(node).__name__)
+            todo += [parent for parent, _ in node.next_functions]
+        assert "SliceBackward0" not in nodes, nodes
+        splits = 3 * (B + 1) if masking == "documents" else 3  # the batch, then each row
+        assert sum(name.startswith("Split") for name in nodes) == splits, nodes
+        torch.autograd.backward(output, torch.ones_like(output))
+    else:
+        fused.attention(q, k, v, scale=0.5, mask=mask, chunk_size=4)
+    assert not sliced, sliced
+    monkeypatch.undo()
+    _assert_same("fused", mask, tuple(to_numpy(x) for x in (q, k, v)))
 
 
 def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch):

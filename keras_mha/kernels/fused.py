@@ -186,16 +186,18 @@ def _by_documents(run, query, key, value, mask, runs):
     """The kernel on each document of each batch row alone (`_document_runs`), with
     `is_causal` where the mask is causal; padding (id 0) gets zero rows."""
     shape = ops.shape(query)
+    # Each batch row, then each of its documents, a piece of one cut (`_Pieces`).
+    batch_rows = [
+        ops.split(x, len(runs), axis=0) if len(runs) > 1 else [x] for x in (query, key, value)
+    ]
     rows = []
     for b, spans in enumerate(runs):
         parts, at = [], 0
+        pieces = [_Pieces(x[b], spans) for x in batch_rows]
         for start, end in spans:
             if start > at:
                 parts.append(_zero_rows(query, value, start - at, batch=1))
-            q, k, v = (
-                masks_lib.slice_along(masks_lib.slice_along(x, 0, b, 1), 1, start, end - start)
-                for x in (query, key, value)
-            )
+            q, k, v = (x.take(start, end) for x in pieces)
             parts.append(run(q, k, v, None, None, mask.causal, None))
             at = end
         if at < shape[1]:
@@ -242,7 +244,7 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
     # Where the masks hold data, each chunk takes only the keys its queries may see by
     # their documents and padding, as well as by causality and the window.
     narrowed = chunk_size is not None and mask.data_dependent and trim.holds_data(query)
-    outputs = []
+    chunks = []  # (start, size, key runs), or no runs where the chunk sees no key
     for start in starts:
         size = query_length if chunk_size is None else min(chunk_size, query_length - start)
         lo, hi = mask.key_range(start, size, key_length)
@@ -250,27 +252,31 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
             lo, hi = 0, key_length
         elif narrowed:
             lo, hi = (int(x) for x in mask.visible_range(start, size, key_length))
-            if hi == lo:  # no query of the chunk sees a key
-                outputs.append(_zero_rows(query, value, size))
-                continue
-        if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:  # a block map's
-            outputs.append(_zero_rows(query, value, size))
+        if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:  # no key to see
+            chunks.append((start, size, None))
             continue
         runs = mask.block_runs(start, size, lo, hi) if bias is None else None
         if not runs or len(runs) == 1:  # one range: sliced, not gathered
             runs = ((lo, hi),)
+        chunks.append((start, size, runs))
+    queries = _Pieces(query, [(start, start + size) for start, size, _ in chunks])
+    spans = [span for _, _, runs in chunks for span in runs or ()]
+    keys, values = _Pieces(key, spans), _Pieces(value, spans)
+    outputs = []
+    for start, size, runs in chunks:
+        if runs is None:
+            outputs.append(_zero_rows(query, value, size))
+            continue
         block = _joined([mask.block(start, size, a, b - a) for a, b in runs], runs, size)
         kernel_mask, valid = _unmask_empty_rows(block)
         chunk_bias = None
         if bias is not None:
+            lo, hi = runs[0]  # a bias: one range
             chunk_bias = masks_lib.block_of(bias, start, size, lo, hi - lo)
-        keys, values = (
-            _concat([masks_lib.slice_along(x, 1, a, b - a) for a, b in runs]) for x in (key, value)
-        )
         output = run(
-            masks_lib.slice_along(query, 1, start, size),
-            keys,
-            values,
+            queries.take(start, start + size),
+            _concat([keys.take(a, b) for a, b in runs]),
+            _concat([values.take(a, b) for a, b in runs]),
             kernel_mask,
             valid,
             False,
@@ -278,6 +284,35 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         )
         outputs.append(output)
     return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs[::-1], axis=1)
+
+
+class _Pieces:
+    """`x` `(B, L, ...)` cut once along axis 1 at every bound of `spans` (`(lo, hi)`
+    pairs), each span then taken as its pieces (joined where it has several).
+
+    Where a bound or `L` is not a static int, or no span needs a cut, spans are
+    sliced from `x` as they are. Under autograd (torch), a slice's gradient is a zero
+    tensor of the whole `x` holding the slice's gradient, one per slice: the chunks of
+    a call filled `chunks x L` rows of zeros, as much as the attention itself in a
+    sparse pattern (benchmarks/results/README.md, "Attention patterns as code"). A
+    split's gradient is one tensor of `x`'s size, whatever the number of pieces.
+    """
+
+    def __init__(self, x, spans):
+        self.x, length = x, x.shape[1]
+        bounds = [bound for span in spans for bound in span]  # tensors do not hash
+        self.cuts = None
+        if isinstance(length, int) and all(isinstance(b, (int, np.integer)) for b in bounds):
+            cuts = sorted({int(b) for b in bounds if 0 < b < length})
+            if cuts:
+                self.cuts = [0, *cuts, length]
+                self.pieces = ops.split(x, cuts, axis=1)
+
+    def take(self, lo, hi):
+        if self.cuts is None:
+            return masks_lib.slice_along(self.x, 1, lo, hi - lo)
+        first, last = self.cuts.index(int(lo)), self.cuts.index(int(hi))
+        return _concat(self.pieces[first:last])
 
 
 def _joined(parts, runs, size):
