@@ -518,6 +518,49 @@ def test_fused_chunks_take_their_rows_as_pieces_of_one_cut(rng, monkeypatch, mas
     _assert_same("fused", mask, tuple(to_numpy(x) for x in (q, k, v)))
 
 
+@pytest.mark.parametrize("tail_gradient", ["zero", "nonzero"])
+def test_fused_causal_tail_skips_its_backward_where_its_gradient_is_zero(
+    rng, monkeypatch, tail_gradient
+):
+    """A causal call with more queries than keys (what a cut leaves of right-padded
+    rows whose padded queries attend, as in keras-hub's models): its queries from `S`
+    on see every key. On torch (`Policy.skip_zero_gradient_tail`) they run apart, and
+    their backward runs only where their output's gradient is not zero: a loss that
+    ignores them runs no kernel for them backward. Results and gradients are the
+    explicit kernel's either way, on every backend."""
+    t, s = 13, 9
+    mask = masks.AttentionMask(causal=True)
+    kept = np.ones((1, t, 1, 1), "float32")
+    if tail_gradient == "zero":
+        kept[:, s:] = 0.0
+    calls = []
+    original = fused._Kernel.__call__
+
+    def spy(self, *args):
+        calls.append(args[0].shape[1])
+        return original(self, *args)
+
+    monkeypatch.setattr(fused._Kernel, "__call__", spy)
+
+    def fn(q, k, v):
+        return fused.attention(q, k, v, scale=0.5, mask=mask) * ops.convert_to_tensor(kept)
+
+    def reference(q, k, v):
+        out = explicit.attention(q, k, v, scale=0.5, equations=EQUATIONS, mask=mask)[0]
+        return out * ops.convert_to_tensor(kept)
+
+    arrays = _inputs(rng, t, s)
+    out, grads = value_and_grads(fn, arrays)
+    if BACKEND == "torch":  # the square, the tail, and the tail again where it has a gradient
+        assert calls == ([s, t - s] if tail_gradient == "zero" else [s, t - s, t - s]), calls
+    else:
+        assert calls == [t], calls
+    expected, expected_grads = value_and_grads(reference, arrays)
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want, atol=ATOL)
+
+
 def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch):
     """Each chunk's kernel call sees that chunk's rows and the keys up to its last one."""
     shapes = []

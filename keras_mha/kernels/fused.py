@@ -51,7 +51,9 @@ def attention(
     mean = empty_rows == "mean" and mask is not None
     if mean and bias is None and _takes_whole(mask, bias):
         return ops.cast(_whole_with_mean(run, query, key, value, mask), dtype)
-    if _takes_whole(mask, bias):
+    if _has_tail(query, key, mask, bias):
+        output = _causal_with_tail(run, query, key, value)
+    elif _takes_whole(mask, bias):
         output = run(query, key, value, *_whole_mask(mask), bias)
     elif _folds_key_padding(mask, bias, query):
         output = _folded(run, query, key, value, mask, scale)
@@ -86,6 +88,78 @@ def _takes_whole(mask, bias):
     if mask.causal:  # `is_causal` takes no other mask or bias
         return mask.key_valid is None and mask.dense is None and bias is None
     return mask.key_valid is None or policy.current().fused_key_padding
+
+
+def _has_tail(query, key, mask, bias):
+    """Whether an eager causal call has queries past its last key (`T > S`, offset 0:
+    what a cut leaves of right-padded rows when, as in keras-hub's models, the padded
+    queries attend to the keys), which see every key, and the policy has them skip
+    their backward where their gradient is zero (`Policy.skip_zero_gradient_tail`)."""
+    if mask is None or bias is not None or not policy.current().skip_zero_gradient_tail:
+        return False
+    if not mask.causal or mask.static_offset != 0 or not _takes_whole(mask, bias):
+        return False
+    if mask.key_valid is not None or mask.dense is not None or mask.query_valid is not None:
+        return False
+    query_length, key_length = query.shape[1], key.shape[1]
+    if not (isinstance(query_length, int) and isinstance(key_length, int)):
+        return False
+    return 0 < key_length < query_length and trim.holds_data(query) and _records(query)
+
+
+def _records(*tensors):
+    """Whether torch's autograd records an op on `tensors`."""
+    import torch
+
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
+def _causal_with_tail(run, query, key, value):
+    """A causal call whose queries from `S` on see every key: the first `S` queries
+    as a causal square, the tail as plain attention whose backward is skipped when its
+    output's gradient is zero (a loss that ignores padded positions)."""
+    head, tail = ops.split(query, [key.shape[1]], axis=1)
+    head = run(head, key, value, None, None, True, None)
+    tail = _zero_gradient_skipped()(lambda q, k, v: run(q, k, v, None, None, False, None))(
+        tail, key, value
+    )
+    return ops.concatenate([head, tail], axis=1)
+
+
+_SKIPPED = []
+
+
+def _zero_gradient_skipped():
+    """`wrap(fn)`: `fn(*tensors)` under torch's autograd, whose backward gives no
+    gradient where the output's is all zero (no kernel runs) and otherwise recomputes
+    `fn` and differentiates it. Defined on first use: torch is imported then only."""
+    if not _SKIPPED:
+        import torch
+
+        class ZeroGradientSkipped(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, fn, *tensors):
+                ctx.fn = fn
+                ctx.save_for_backward(*tensors)
+                return fn(*tensors)
+
+            @staticmethod
+            def backward(ctx, grad):
+                tensors = ctx.saved_tensors
+                if not bool(grad.any()):
+                    return (None,) * (len(tensors) + 1)
+                wanted = ctx.needs_input_grad[1:]
+                with torch.enable_grad():
+                    inputs = [x.detach().requires_grad_(w) for x, w in zip(tensors, wanted)]
+                    output = ctx.fn(*inputs)
+                    asked = [x for x in inputs if x.requires_grad]
+                    grads = iter(torch.autograd.grad(output, asked, grad))
+                return (None, *(next(grads) if w else None for w in wanted))
+
+        _SKIPPED.append(
+            lambda fn: lambda *tensors: ZeroGradientSkipped.apply(fn, *tensors)
+        )
+    return _SKIPPED[0]
 
 
 def _folds_key_padding(mask, bias, query):

@@ -113,6 +113,11 @@ class Policy:
             a constant, whose key ranges and RoPE positions then are. Not on JAX,
             whose eager ops compile again for every new shape and constant: there
             the index becomes a tensor.
+        skip_zero_gradient_tail: an eager causal call whose queries run past its
+            keys (`T > S`: a cut of right-padded rows whose padded queries attend, as
+            in keras-hub's models) runs the queries from `S` on apart, and their
+            backward only where their output's gradient is not all zero; a loss that
+            ignores padded positions gives zero (`fused._causal_with_tail`).
         cut_from: an eager call without causality looks for padded tails to cut
             (`sizes_from_data`) only where its scores have more than this many
             entries, or an unknown number. The look (a host transfer of the
@@ -141,6 +146,7 @@ class Policy:
     fold_key_padding: tuple = ()
     direct_projections: bool = False
     sizes_from_data: bool = True
+    skip_zero_gradient_tail: bool = False
     cut_from: int = 0
 
 
@@ -184,6 +190,7 @@ POLICIES = {
         fused_block_mask=True,
         fused_float16=True,
         direct_projections=True,
+        skip_zero_gradient_tail=True,
         cut_from=1 << 15,
     ),
     ("torch", "gpu"): Policy(
