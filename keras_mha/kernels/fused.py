@@ -156,9 +156,7 @@ def _zero_gradient_skipped():
                     grads = iter(torch.autograd.grad(output, asked, grad))
                 return (None, *(next(grads) if w else None for w in wanted))
 
-        _SKIPPED.append(
-            lambda fn: lambda *tensors: ZeroGradientSkipped.apply(fn, *tensors)
-        )
+        _SKIPPED.append(lambda fn: lambda *tensors: ZeroGradientSkipped.apply(fn, *tensors))
     return _SKIPPED[0]
 
 
