@@ -559,6 +559,20 @@ def test_fused_causal_tail_skips_its_backward_where_its_gradient_is_zero(
     np.testing.assert_allclose(out, expected, atol=ATOL)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(got, want, atol=ATOL)
+    if BACKEND == "torch":  # `torch.func` transforms differentiate the whole call themselves
+        import torch
+
+        def loss(*tensors):
+            return (fn(*tensors) * torch.as_tensor(weights)).sum()
+
+        weights = np.random.default_rng(7).standard_normal(out.shape).astype("float32")
+        tensors = [torch.as_tensor(a) for a in arrays]
+        transformed = torch.func.grad(loss, argnums=(0, 1, 2))(*tensors)
+        expected = torch.func.grad(
+            lambda *t: (reference(*t) * torch.as_tensor(weights)).sum(), argnums=(0, 1, 2)
+        )(*tensors)
+        for got, want in zip(transformed, expected):
+            np.testing.assert_allclose(to_numpy(got), to_numpy(want), atol=ATOL)
 
 
 def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch):

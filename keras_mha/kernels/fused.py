@@ -108,10 +108,16 @@ def _has_tail(query, key, mask, bias):
 
 
 def _records(*tensors):
-    """Whether torch's autograd records an op on `tensors`."""
+    """Whether torch's autograd records an op on `tensors`; not under `torch.func`'s
+    transforms (`grad`, `vmap`: tensors they wrap), which differentiate on their own."""
     import torch
 
-    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    if wrapped is None or any(wrapped(x) for x in tensors):
+        return False
+    return any(x.requires_grad for x in tensors)
 
 
 def _causal_with_tail(run, query, key, value):
