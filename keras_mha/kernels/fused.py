@@ -114,7 +114,7 @@ def _records(*tensors):
     transforms (`grad`, `vmap`: tensors they wrap), which differentiate on their own."""
     import torch
 
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or not all(isinstance(x, torch.Tensor) for x in tensors):
         return False
     wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     if wrapped is None or any(wrapped(x) for x in tensors):
@@ -266,18 +266,15 @@ def _by_documents(run, query, key, value, mask, runs):
     """The kernel on each document of each batch row alone (`_document_runs`), with
     `is_causal` where the mask is causal; padding (id 0) gets zero rows."""
     shape = ops.shape(query)
-    # Each batch row, then each of its documents, a piece of one cut (`_Pieces`).
-    batch_rows = [
-        ops.split(x, len(runs), axis=0) if len(runs) > 1 else [x] for x in (query, key, value)
-    ]
+    spans = [(b, start, end) for b, row in enumerate(runs) for start, end in row]
+    taken = [iter(_spans_of(x, spans)) for x in (query, key, value)]
     rows = []
-    for b, spans in enumerate(runs):
+    for row in runs:
         parts, at = [], 0
-        pieces = [_Pieces(x[b], spans) for x in batch_rows]
-        for start, end in spans:
+        for start, end in row:
             if start > at:
                 parts.append(_zero_rows(query, value, start - at, batch=1))
-            q, k, v = (x.take(start, end) for x in pieces)
+            q, k, v = (next(x) for x in taken)
             parts.append(run(q, k, v, None, None, mask.causal, None))
             at = end
         if at < shape[1]:
@@ -339,11 +336,12 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         if not runs or len(runs) == 1:  # one range: sliced, not gathered
             runs = ((lo, hi),)
         chunks.append((start, size, runs))
-    queries = _Pieces(query, [(start, start + size) for start, size, _ in chunks])
-    spans = [span for _, _, runs in chunks for span in runs or ()]
-    keys, values = _Pieces(key, spans), _Pieces(value, spans)
+    queries = iter(_spans_of(query, [(None, start, start + size) for start, size, _ in chunks]))
+    spans = [(None, lo, hi) for _, _, runs in chunks for lo, hi in runs or ()]
+    keys, values = (iter(_spans_of(x, spans)) for x in (key, value))
     outputs = []
     for start, size, runs in chunks:
+        chunk_queries = next(queries)
         if runs is None:
             outputs.append(_zero_rows(query, value, size))
             continue
@@ -354,9 +352,9 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
             lo, hi = runs[0]  # a bias: one range
             chunk_bias = masks_lib.block_of(bias, start, size, lo, hi - lo)
         output = run(
-            queries.take(start, start + size),
-            _concat([keys.take(a, b) for a, b in runs]),
-            _concat([values.take(a, b) for a, b in runs]),
+            chunk_queries,
+            _concat([next(keys) for _ in runs]),
+            _concat([next(values) for _ in runs]),
             kernel_mask,
             valid,
             False,
@@ -366,33 +364,69 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
     return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs[::-1], axis=1)
 
 
-class _Pieces:
-    """`x` `(B, L, ...)` cut once along axis 1 at every bound of `spans` (`(lo, hi)`
-    pairs), each span then taken as its pieces (joined where it has several).
+def _spans_of(x, spans):
+    """`x[b:b + 1, lo:hi]` (`b` `None`: every batch row) for each `(b, lo, hi)` of
+    `spans`, views of `x`.
 
-    Where a bound or `L` is not a static int, or no span needs a cut, spans are
-    sliced from `x` as they are. Under autograd (torch), a slice's gradient is a zero
-    tensor of the whole `x` holding the slice's gradient, one per slice: the chunks of
-    a call filled `chunks x L` rows of zeros, as much as the attention itself in a
-    sparse pattern (benchmarks/results/README.md, "Attention patterns as code"). A
-    split's gradient is one tensor of `x`'s size, whatever the number of pieces.
-    """
+    Under torch's autograd a slice's gradient is a zero tensor of the whole `x`
+    holding the slice's gradient, one per slice: the chunks of a call filled
+    `chunks x L` rows of zeros, as much work as the attention itself in a sparse
+    pattern (benchmarks/results/README.md, "Attention patterns as code"). There the
+    views come from one `autograd.Function` whose gradient is one zero tensor of `x`'s
+    size, each view's gradient added in place at its rows."""
+    if len(spans) > 1 and _static(spans) and _slices_recorded(x):
+        return _one_gradient_views()(x, [(b, int(lo), int(hi)) for b, lo, hi in spans])
+    return [_span(x, *span) for span in spans]
 
-    def __init__(self, x, spans):
-        self.x, length = x, x.shape[1]
-        bounds = [bound for span in spans for bound in span]  # tensors do not hash
-        self.cuts = None
-        if isinstance(length, int) and all(isinstance(b, (int, np.integer)) for b in bounds):
-            cuts = sorted({int(b) for b in bounds if 0 < b < length})
-            if cuts:
-                self.cuts = [0, *cuts, length]
-                self.pieces = ops.split(x, cuts, axis=1)
 
-    def take(self, lo, hi):
-        if self.cuts is None:
-            return masks_lib.slice_along(self.x, 1, lo, hi - lo)
-        first, last = self.cuts.index(int(lo)), self.cuts.index(int(hi))
-        return _concat(self.pieces[first:last])
+def _span(x, b, lo, hi):
+    if b is not None:
+        x = masks_lib.slice_along(x, 0, b, 1)
+    return masks_lib.slice_along(x, 1, lo, hi - lo)
+
+
+def _static(spans):
+    return all(isinstance(v, (int, np.integer)) for _, lo, hi in spans for v in (lo, hi))
+
+
+def _slices_recorded(x):
+    """Whether `x`'s slices are recorded by torch's autograd (`_records`)."""
+    return backend.backend() == "torch" and _records(x)
+
+
+_VIEWS = []
+
+
+def _one_gradient_views():
+    """`views(x, spans)`: `_spans_of`'s views under torch's autograd, with one zero
+    gradient of `x`'s size. Defined on first use: torch is imported then only."""
+    if not _VIEWS:
+        import torch
+
+        class OneGradientViews(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, spans):
+                ctx.spans, ctx.shape = spans, x.shape
+                views = []
+                for b, lo, hi in spans:
+                    view = x if b is None else x.narrow(0, b, 1)
+                    views.append(view.narrow(1, lo, hi - lo))
+                return tuple(views)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                total = None
+                for (b, lo, hi), grad in zip(ctx.spans, grads):
+                    if grad is None:
+                        continue
+                    if total is None:
+                        total = grad.new_zeros(ctx.shape)
+                    rows = total if b is None else total.narrow(0, b, 1)
+                    rows.narrow(1, lo, hi - lo).add_(grad)
+                return total, None
+
+        _VIEWS.append(lambda x, spans: OneGradientViews.apply(x, spans))
+    return _VIEWS[0]
 
 
 def _joined(parts, runs, size):
