@@ -104,14 +104,15 @@ def _has_tail(query, key, mask, bias):
     query_length, key_length = query.shape[1], key.shape[1]
     if not (isinstance(query_length, int) and isinstance(key_length, int)):
         return False
-    if backend.backend() != "torch":  # the skipping is torch's autograd's (`_records`)
-        return False
     return 0 < key_length < query_length and trim.holds_data(query) and _records(query)
 
 
 def _records(*tensors):
     """Whether torch's autograd records an op on `tensors`; not under `torch.func`'s
-    transforms (`grad`, `vmap`: tensors they wrap), which differentiate on their own."""
+    transforms (`grad`, `vmap`: tensors they wrap), which differentiate on their own;
+    never on another backend, whatever a policy override says."""
+    if backend.backend() != "torch":
+        return False
     import torch
 
     if not torch.is_grad_enabled() or not all(isinstance(x, torch.Tensor) for x in tensors):
@@ -374,7 +375,7 @@ def _spans_of(x, spans):
     pattern (benchmarks/results/README.md, "Attention patterns as code"). There the
     views come from one `autograd.Function` whose gradient is one zero tensor of `x`'s
     size, each view's gradient added in place at its rows."""
-    if len(spans) > 1 and _static(spans) and _slices_recorded(x):
+    if len(spans) > 1 and _static(spans) and _records(x):
         return _one_gradient_views()(x, [(b, int(lo), int(hi)) for b, lo, hi in spans])
     return [_span(x, *span) for span in spans]
 
@@ -387,11 +388,6 @@ def _span(x, b, lo, hi):
 
 def _static(spans):
     return all(isinstance(v, (int, np.integer)) for _, lo, hi in spans for v in (lo, hi))
-
-
-def _slices_recorded(x):
-    """Whether `x`'s slices are recorded by torch's autograd (`_records`)."""
-    return backend.backend() == "torch" and _records(x)
 
 
 _VIEWS = []
