@@ -11,7 +11,8 @@ decoder blocks pass our layer their masks described).
   median counting. Memory: the growth of the process's peak RSS (`ru_maxrss`) over that
   baseline.
 - Generate: `generate()` of 64 tokens (greedy) after a 4096-token prompt, once to
-  compile, then timed.
+  compile, then `GENERATE_REPEATS` timed calls, the median counting (one call alone
+  moved by 10-30% between runs).
 - `--floor` (train steps only; writes `hub_lm_floor.*`): also the swapped model with
   the attention itself replaced by a zero output (`floor`): the time and memory of
   everything else in the step, below which no attention can bring the model.
@@ -50,6 +51,7 @@ TOY = dict(layers=1, hidden=32, heads=2, vocab=64, prompt=32, new_tokens=4)
 LENGTHS = (2048, 8192, 16384)
 TOY_LENGTHS = (64,)
 BASELINE = 64
+GENERATE_REPEATS = 3
 
 
 def build(model, sizes):
@@ -123,11 +125,13 @@ def worker(model_name, way, case, length, steps, sizes):
         # own output unless the prompt is stripped (swapped or not).
         extra = {"strip_prompt": True} if model_name == "gemma3" else {}
         model.generate(inputs, stop_token_ids=None, **extra)  # compiles
-        start = time.perf_counter()
-        out = model.generate(inputs, stop_token_ids=None, **extra)
-        seconds = time.perf_counter() - start
+        times = []
+        for _ in range(GENERATE_REPEATS):
+            start = time.perf_counter()
+            out = model.generate(inputs, stop_token_ids=None, **extra)
+            times.append(time.perf_counter() - start)
         generated = int((keras.ops.convert_to_numpy(out["padding_mask"]) > 0).sum())
-        return {"seconds": seconds, "tokens": generated}
+        return {"seconds": statistics.median(times), "times": times, "tokens": generated}
     model.compile(
         optimizer=keras.optimizers.SGD(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
