@@ -572,6 +572,65 @@ def test_fused_causal_tail_skips_its_backward_where_its_gradient_is_zero(
             np.testing.assert_allclose(to_numpy(got), to_numpy(want), atol=ATOL)
 
 
+@pytest.mark.parametrize("loop", ["static", "dynamic"])
+@pytest.mark.parametrize("how", ["eager", "graph"])
+def test_chunked_loop_skips_chunks_whose_gradient_is_zero(rng, monkeypatch, loop, how):
+    """The chunked kernel's loop (`Policy.skip_zero_gradient_chunks`) skips at run time
+    the backward of a chunk whose output's gradient is all zero (padded queries a loss
+    ignores, as in keras-hub's models): the gradients are the explicit kernel's, with
+    chunks wholly zero (skipped), one partly zero (not skipped) and live ones, in the
+    chunks' order of the static loop (the leftover chunk unrolled) and of the dynamic
+    one (its query gradients a growing buffer: zero rows where it skips). Where the
+    loop runs eagerly (TensorFlow, torch), the live chunks alone run a backward."""
+    if loop == "dynamic" and BACKEND != "tensorflow":
+        pytest.skip("the dynamic loop is TensorFlow's (dynamic shapes)")
+    visited = set()  # the chunks whose backward ran, by their first query
+    original = chunked._backward_chunk
+
+    def spy(block, rows, sink=True):
+        if how == "eager" and BACKEND != "jax":  # JAX traces its loop's body, both branches
+            visited.add(int(block.start))
+        return original(block, rows, sink)
+
+    monkeypatch.setattr(chunked, "_backward_chunk", spy)
+    mask = masks.AttentionMask(causal=True, key_valid=_padding(T, 9))
+    kept = np.ones((B, T, 1, 1), "float32")
+    kept[:, 6:] = 0.0  # queries 8-12 wholly zero; 4-7 partly; 0-3 live
+
+    def fn(q, k, v):
+        out = chunked.attention(
+            q,
+            k,
+            v,
+            scale=0.5,
+            mask=_tensorize(mask),
+            chunk_size=4,
+            key_block=4,
+            loop=True,
+            dynamic=loop == "dynamic",
+            skip_zero_gradients=True,
+        )
+        return out * ops.convert_to_tensor(kept)
+
+    def reference(q, k, v):
+        out = explicit.attention(q, k, v, scale=0.5, equations=EQUATIONS, mask=mask)[0]
+        return out * ops.convert_to_tensor(kept)
+
+    arrays = _inputs(rng)
+    if how == "eager":
+        out, grads = value_and_grads(fn, arrays)
+        if BACKEND != "jax":  # the dynamic loop's chunks end at T: [9, 13), [5, 9), ...
+            assert visited == ({0, 4} if loop == "static" else {0, 1, 5}), visited
+        expected, expected_grads = value_and_grads(reference, arrays)
+    else:
+        out, grads = _compiled_value_and_grads(fn, arrays, "graph")
+        expected, expected_grads = _compiled_value_and_grads(reference, arrays, "graph")
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    assert np.abs(grads[0][:, 8:]).max() == 0.0 and np.abs(grads[0][:, 4:6]).min() > 0.0
+
+
 def test_fused_builds_no_whole_mask_for_padding_with_causality(rng, monkeypatch):
     """Each chunk's kernel call sees that chunk's rows and the keys up to its last one."""
     shapes = []

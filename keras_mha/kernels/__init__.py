@@ -184,6 +184,7 @@ def attention(
         dynamic=dynamic,
         differentiable=rules.trains,
         in_place_sums=rules.in_place_sums,
+        skip_zero_gradients=rules.skip_zero_gradient_chunks and dynamic,
     )
     if empty_rows == "mean" and mask is not None:
         output = logits_lib.mean_where_empty(output, value, mask)

@@ -66,6 +66,7 @@ def attention(
     dynamic=False,
     differentiable=True,
     in_place_sums=False,
+    skip_zero_gradients=False,
 ):
     """Returns the output `(B, T, N, Hv)` in the value's dtype.
 
@@ -97,13 +98,17 @@ def attention(
         differentiable: use the custom backward (backends that train).
         in_place_sums: unrolled, the backward adds each chunk's key and value
             gradients in place into one buffer (torch: `Policy.in_place_sums`).
+        skip_zero_gradients: a loop's backward skips each chunk whose output's
+            gradient is all zero (`Policy.skip_zero_gradient_chunks`).
     """
     if dynamic and backend.backend() == "jax":
         raise ValueError("The chunked kernel's dynamic loop needs dynamic shapes; JAX has none.")
 
     def plan_of(rows):
         plan = _Plan.make(query, key, mask, rows, in_flight, loop, dynamic, key_block, key_multiple)
-        return dataclasses.replace(plan, in_place_sums=in_place_sums)
+        return dataclasses.replace(
+            plan, in_place_sums=in_place_sums, skip_zero_gradients=skip_zero_gradients
+        )
 
     plan = plan_of(chunk_size)
     forward_plan = plan
@@ -173,6 +178,7 @@ class _Plan:
     segments: tuple = ()  # unrolled, with a block mask: per chunk, its non-empty key runs
     runs: Any = None  # a dynamic loop with a block mask: `_LoopRuns`, or `None`
     in_place_sums: bool = False  # unrolled: the key and value gradients summed in place
+    skip_zero_gradients: bool = False  # a loop's chunks whose output gradient is all zero
 
     @classmethod
     def make(
@@ -761,12 +767,23 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     if plan.loop:
         count, chunk, rest = plan.looped(inputs.query_length)
         state = total.zeros()
+
+        def visit_live(start, size, state):
+            lo, hi = plan.key_range(start, size)
+            if not plan.skip_zero_gradients:
+                return visit(start, size, lo, hi, state)
+            # A chunk whose output's gradient is all zero (padded queries that a loss
+            # ignores) adds zero to every gradient: its backward is skipped at run time.
+            live = ops.any(ops.not_equal(masks.slice_along(d_out, 2, start, size), 0.0))
+            return ops.cond(
+                live, lambda: visit(start, size, lo, hi, state), lambda: total.skipped(state, size)
+            )
+
         for start, size in rest:
-            state = visit(start, size, *plan.key_range(start, size), state)
+            state = visit_live(start, size, state)
 
         def step(i, state):
-            start, size = chunk(i)
-            return visit(start, size, *plan.key_range(start, size), state)
+            return visit_live(*chunk(i), state)
 
         state = _loop(count, step, state, 1, total.shapes(state))
     else:
@@ -815,6 +832,15 @@ class _Gradients:
         ]
         state += inputs.mod.zeros()
         return tuple(x for x in state if x is not None)
+
+    def skipped(self, state, size):
+        """A loop's `state` past a chunk of `size` queries whose gradients are all
+        zero: unchanged, but for a growing buffer of query gradients (zero rows)."""
+        if not self.rows.growing:
+            return state
+        shape = ops.shape(state[0])
+        zeros = ops.zeros((shape[0], shape[1], size, shape[3]), "float32")
+        return (self.rows.put(state[0], zeros, None), *state[1:])
 
     def shapes(self, state):
         """The loop's shapes for `state` (see `_loop`)."""

@@ -118,6 +118,13 @@ class Policy:
             in keras-hub's models) runs the queries from `S` on apart, and their
             backward only where their output's gradient is not all zero; a loss that
             ignores padded positions gives zero (`fused._causal_with_tail`).
+        skip_zero_gradient_chunks: the chunked kernel's dynamic loop (`dynamic`,
+            where it runs: not under XLA) skips, at run time, the backward of each
+            chunk of queries whose output's gradient is all zero: padded queries
+            that attend (keras-hub's models) and that the loss ignores. Exact: such
+            a chunk adds zero to every gradient. Not in XLA's static loops, where
+            the conditional costs copies of the gradients' buffers
+            (benchmarks/results/README.md, "keras-hub language models").
         cut_from: an eager call without causality looks for padded tails to cut
             (`sizes_from_data`) only where its scores have more than this many
             entries, or an unknown number. The look (a host transfer of the
@@ -147,6 +154,7 @@ class Policy:
     direct_projections: bool = False
     sizes_from_data: bool = True
     skip_zero_gradient_tail: bool = False
+    skip_zero_gradient_chunks: bool = False
     cut_from: int = 0
 
 
@@ -163,6 +171,7 @@ POLICIES = {
         one_op_einsum_up_to=1 << 15,
         loop=True,
         dynamic=True,
+        skip_zero_gradient_chunks=True,
     ),
     ("tensorflow", "gpu"): Policy("chunked", chunk_size=512, in_flight=2, loop=True, dynamic=True),
     ("jax", "cpu"): Policy(
