@@ -98,8 +98,8 @@ def attention(
         differentiable: use the custom backward (backends that train).
         in_place_sums: unrolled, the backward adds each chunk's key and value
             gradients in place into one buffer (torch: `Policy.in_place_sums`).
-        skip_zero_gradients: a loop's backward skips each chunk whose output's
-            gradient is all zero (`Policy.skip_zero_gradient_chunks`).
+        skip_zero_gradients: a loop's backward visits no key for a chunk whose
+            output's gradient is all zero (`Policy.skip_zero_gradient_chunks`).
     """
     if dynamic and backend.backend() == "jax":
         raise ValueError("The chunked kernel's dynamic loop needs dynamic shapes; JAX has none.")
@@ -753,11 +753,13 @@ def _backward(plan, inputs, output, logsumexp, upstream):
     d_out_t = ops.transpose(d_out, (0, 1, 3, 2))  # (B, N, Hv, T)
     total = _Gradients(plan, inputs)
 
-    def visit(start, size, lo, hi, state, runs=None):
+    def visit(start, size, lo, hi, state, runs=None, live=None):
         rows = [masks.slice_along(t, 2, start, size) for t in (d_out, correction, logsumexp)]
         rows += [masks.slice_along(t, 3, start, size) for t in (query_t, d_out_t)]
         if plan.key_block or plan.runs is not None:
-            return total.add_blocks(state, start, size, rows)
+            return total.add_blocks(state, start, size, rows, live)
+        if live is not None:  # a chunk with no gradient visits no key
+            hi = ops.where(live, plan.keys if hi is None else hi, lo)
         if runs:
             block = inputs.block(start, size, runs[0][0], runs[-1][1] - runs[0][0])
             return total.add(state, block, _backward_runs(inputs, start, size, runs, rows))
@@ -769,15 +771,12 @@ def _backward(plan, inputs, output, logsumexp, upstream):
         state = total.zeros()
 
         def visit_live(start, size, state):
-            lo, hi = plan.key_range(start, size)
-            if not plan.skip_zero_gradients:
-                return visit(start, size, lo, hi, state)
             # A chunk whose output's gradient is all zero (padded queries that a loss
-            # ignores) adds zero to every gradient: its backward is skipped at run time.
-            live = ops.any(ops.not_equal(masks.slice_along(d_out, 2, start, size), 0.0))
-            return ops.cond(
-                live, lambda: visit(start, size, lo, hi, state), lambda: total.skipped(state, size)
-            )
+            # ignores) adds zero to every gradient: at run time it visits no key.
+            live = None
+            if plan.skip_zero_gradients:
+                live = ops.any(ops.not_equal(masks.slice_along(d_out, 2, start, size), 0.0))
+            return visit(start, size, *plan.key_range(start, size), state, live=live)
 
         for start, size in rest:
             state = visit_live(start, size, state)
@@ -833,15 +832,6 @@ class _Gradients:
         state += inputs.mod.zeros()
         return tuple(x for x in state if x is not None)
 
-    def skipped(self, state, size):
-        """A loop's `state` past a chunk of `size` queries whose gradients are all
-        zero: unchanged, but for a growing buffer of query gradients (zero rows)."""
-        if not self.rows.growing:
-            return state
-        shape = ops.shape(state[0])
-        zeros = ops.zeros((shape[0], shape[1], size, shape[3]), "float32")
-        return (self.rows.put(state[0], zeros, None), *state[1:])
-
     def shapes(self, state):
         """The loop's shapes for `state` (see `_loop`)."""
         return (self.rows.shape(state[0]),) + (None,) * (len(state) - 1)
@@ -863,14 +853,16 @@ class _Gradients:
         self.done.append([d_query, state.d_key.sum, state.d_value.sum])
         return state
 
-    def add_blocks(self, state, start, size, rows):
+    def add_blocks(self, state, start, size, rows, live=None):
         """`state` with the gradients of a loop's chunk added, its key blocks (a
         dynamic loop's runs) visited in a loop as the forward pass visits them
         (`_forward_blocks`): the key, value and bias parts added at each block's keys
         (in place in a static loop; a moved last block's masked keys add zeros), the
-        query part summed over the blocks."""
+        query part summed over the blocks. Where `live` is False, no block."""
         inputs, plan = self.inputs, self.plan
         count, block_of = plan.visits(inputs, start, size)
+        if live is not None:
+            count = ops.where(live, count, 0)
         padded = plan.dynamic
         shape = ops.shape(inputs.q)
         d_query = ops.zeros((shape[0], shape[1], size, shape[3]), "float32")

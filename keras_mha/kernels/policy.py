@@ -119,12 +119,12 @@ class Policy:
             backward only where their output's gradient is not all zero; a loss that
             ignores padded positions gives zero (`fused._causal_with_tail`).
         skip_zero_gradient_chunks: the chunked kernel's dynamic loop (`dynamic`,
-            where it runs: not under XLA) skips, at run time, the backward of each
-            chunk of queries whose output's gradient is all zero: padded queries
-            that attend (keras-hub's models) and that the loss ignores. Exact: such
-            a chunk adds zero to every gradient. Not in XLA's static loops, where
-            the conditional costs copies of the gradients' buffers
-            (benchmarks/results/README.md, "keras-hub language models").
+            where it runs: not under XLA) visits no key, backward, for a chunk of
+            queries whose output's gradient is all zero: padded queries that attend
+            (keras-hub's models) and that the loss ignores. Exact: such a chunk adds
+            zero to every gradient. XLA's static loops could do the same (no key
+            block); on JAX it measured no faster (benchmarks/results/README.md,
+            "keras-hub language models").
         cut_from: an eager call without causality looks for padded tails to cut
             (`sizes_from_data`) only where its scores have more than this many
             entries, or an unknown number. The look (a host transfer of the
