@@ -813,11 +813,11 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             query, key, value, callers_tensors, own_keys
         )
         if self._normalize_qk:
-            projected_query = self._query_norm(projected_query)
+            projected_query = self._normalized(self._query_norm, projected_query)
             if own_keys:
-                projected_key = self._key_norm(projected_key)
+                projected_key = self._normalized(self._key_norm, projected_key)
         if self._normalize_value and own_keys:
-            projected_value = self._value_norm(projected_value)
+            projected_value = self._normalized(self._value_norm, projected_value)
         if self._rope_max_wavelength is not None:
             # Queries and the new keys sit at `cache_update_index + t` when decoding.
             start = 0 if cache_update_index is None else cache_update_index
@@ -967,6 +967,17 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
             if kernels.trim.holds_data(query):
                 return ops.convert_to_tensor(index, "int32")  # one compiled step for all
         return index
+
+    @staticmethod
+    def _normalized(norm, x):
+        """`norm(x)`, recomputed in the backward pass instead of kept where the
+        policy says so (`Policy.remat_norms`) and `x` is traced. A function calling
+        the layer, not the layer: `keras.remat` of the layer object made Keras's JAX
+        train step read its weight as a constant, which then did not train (the
+        symptom of keras-team/keras#20936)."""
+        if kernels.policy.current().remat_norms and not kernels.trim.holds_data(x):
+            return keras.remat(lambda t: norm(t))(x)
+        return norm(x)
 
     def _rotate(self, x, start, positions=None):
         return rope.rotate(

@@ -1,5 +1,7 @@
 """QK-norm (`normalize_qk=True`): RMS-normalised queries and keys with learned scales."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -209,3 +211,53 @@ def test_layer_norms_match_numpy_reference(rng, kwargs):
     layer.set_weights([rng.normal(size=w.shape).astype("float32") for w in layer.weights])
     expected, _ = reference_mha(layer, query, value)
     np.testing.assert_allclose(ops.convert_to_numpy(layer(query, value)), expected, atol=1e-5)
+
+
+def test_recomputed_norms_train_as_kept_norms(rng, monkeypatch):
+    """`Policy.remat_norms` (JAX's row): the QK and value norms recomputed in the
+    backward pass (`keras.remat`) give the same outputs and train the same weights as
+    kept ones, in Keras's own train step, the norms' scales included. Also on torch
+    (`torch.utils.checkpoint`). TensorFlow's row keeps them: `tf.recompute_grad` in
+    a compiled train step gave other weights in about one run in six (the policy's
+    docstring); there the test checks that nothing is recomputed."""
+    remats = []
+    remat = keras.remat
+
+    def counted(f):
+        remats.append(f)
+        return remat(f)
+
+    monkeypatch.setattr(keras, "remat", counted)
+    if keras.backend.backend() == "torch":
+        # Eager torch calls hold data; as in a compiled one, the layer sees none here.
+        monkeypatch.setattr(keras_mha.kernels.trim, "holds_data", lambda x: False)
+    query = rng.normal(size=(B, T, D)).astype("float32")
+    target = rng.normal(size=(B, T, D)).astype("float32")
+    inputs = keras.Input((T, D))
+    layer = keras_mha.MultiHeadAttention(
+        HEADS, 4, normalize_qk=True, normalize_value=True, rope_max_wavelength=100
+    )
+    model = keras.Model(inputs, layer(inputs, inputs))
+    model.set_weights([rng.normal(size=w.shape).astype("float32") for w in model.weights])
+    start = model.get_weights()
+    results = {}
+    # TensorFlow: its own row only (`None`: no override).
+    cases = (None,) if keras.backend.backend() == "tensorflow" else (False, True)
+    for recomputed in cases:
+        model.set_weights(start)
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        del remats[:]
+        with contextlib.ExitStack() as stack:
+            if recomputed is not None:
+                stack.enter_context(keras_mha.kernels.policy.overriding(remat_norms=recomputed))
+            loss = model.train_on_batch(query, target)
+            output = model.predict_on_batch(query)
+        assert bool(remats) is bool(recomputed)
+        results[recomputed] = [loss, output, *model.get_weights()]
+    if recomputed is None:
+        return
+    names = ["loss", "output"] + [w.path for w in model.weights]
+    for name, kept, recomputed, first in zip(names, results[False], results[True], [0, 0, *start]):
+        if name.endswith("norm/scale"):
+            assert np.abs(kept - first).max() > 1e-4, name  # trained
+        np.testing.assert_allclose(recomputed, kept, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -125,6 +125,15 @@ class Policy:
             zero to every gradient. XLA's static loops could do the same (no key
             block); on JAX it measured no faster (benchmarks/results/README.md,
             "keras-hub language models").
+        remat_norms: the layer's QK-norm and value norm are recomputed in the
+            backward pass instead of kept (`keras.remat`) where the call is traced.
+            A norm keeps its input and two more tensors of the projection's size
+            for its backward; the attention keeps its own rotated copy anyway. XLA
+            keeps them all until the backward reaches the layer: a swapped keras-hub
+            Gemma 3's train step at T = 8192 held 64 MiB less of XLA's buffers
+            (benchmarks/results/README.md, "keras-hub language models"). Not on
+            TensorFlow: `tf.recompute_grad` in a compiled train step gave other weights
+            in about one run in six (a tiny layer, one SGD step: 2e-4 to 4e-4 apart).
         cut_from: an eager call without causality looks for padded tails to cut
             (`sizes_from_data`) only where its scores have more than this many
             entries, or an unknown number. The look (a host transfer of the
@@ -155,6 +164,7 @@ class Policy:
     sizes_from_data: bool = True
     skip_zero_gradient_tail: bool = False
     skip_zero_gradient_chunks: bool = False
+    remat_norms: bool = False
     cut_from: int = 0
 
 
@@ -181,6 +191,7 @@ POLICIES = {
         explicit_up_to=1 << 16,
         loop=True,
         sizes_from_data=False,
+        remat_norms=True,
     ),
     ("jax", "gpu"): Policy(
         "fused",
