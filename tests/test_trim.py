@@ -179,7 +179,8 @@ def _dense(mask, t, s):
 
 def _eager_value_and_grads(fn, arrays):
     """`fn(*tensors)` and the gradients of `sum(output * w)`, eagerly (where the masks
-    hold data; JAX's autodiff traces, so there only the forward is cut)."""
+    hold data; JAX's autodiff traces, so there only the forward is cut, and only by
+    overriding its row, which cuts nothing: `Policy.sizes_from_data`)."""
     weights = np.random.default_rng(7).standard_normal(
         (arrays[0].shape[0], arrays[0].shape[1], N, H)
     )
@@ -200,7 +201,8 @@ def _eager_value_and_grads(fn, arrays):
         return to_numpy(out), [to_numpy(t.grad) for t in tensors]
     import jax
 
-    out = fn(*arrays)  # eager: cut
+    with kernels.policy.overriding(sizes_from_data=True):
+        out = fn(*arrays)  # eager: cut
     grads = jax.jit(jax.grad(lambda *x: (fn(*x) * weights).sum(), argnums=(0, 1, 2)))(*arrays)
     return to_numpy(out), [to_numpy(g) for g in grads]
 
