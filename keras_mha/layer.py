@@ -812,12 +812,14 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         projected_query, projected_key, projected_value, gate = self._project(
             query, key, value, callers_tensors, own_keys
         )
+        if self._normalize_qk or self._normalize_value:
+            normalize = self._norm_caller(projected_query)
         if self._normalize_qk:
-            projected_query = self._normalized(self._query_norm, projected_query)
+            projected_query = normalize(self._query_norm, projected_query)
             if own_keys:
-                projected_key = self._normalized(self._key_norm, projected_key)
+                projected_key = normalize(self._key_norm, projected_key)
         if self._normalize_value and own_keys:
-            projected_value = self._normalized(self._value_norm, projected_value)
+            projected_value = normalize(self._value_norm, projected_value)
         if self._rope_max_wavelength is not None:
             # Queries and the new keys sit at `cache_update_index + t` when decoding.
             start = 0 if cache_update_index is None else cache_update_index
@@ -969,15 +971,16 @@ class MultiHeadAttention(builtin_hooks.BuiltinHooks, keras.layers.Layer):
         return index
 
     @staticmethod
-    def _normalized(norm, x):
-        """`norm(x)`, recomputed in the backward pass instead of kept where the
-        policy says so (`Policy.remat_norms`) and `x` is traced. A function calling
-        the layer, not the layer: `keras.remat` of the layer object made Keras's JAX
-        train step read its weight as a constant, which then did not train (the
-        symptom of keras-team/keras#20936)."""
+    def _norm_caller(x):
+        """How this call applies its norms, `(norm, x) -> norm(x)`, decided once for
+        the call: recomputed in the backward pass instead of kept where the policy
+        says so (`Policy.remat_norms`) and `x` is traced. `keras.remat` of a function
+        calling the norm, not of the layer: of the layer object, Keras's JAX train
+        step read its weight as a constant, which then did not train (the symptom of
+        keras-team/keras#20936)."""
         if kernels.policy.current().remat_norms and not kernels.trim.holds_data(x):
-            return keras.remat(lambda t: norm(t))(x)
-        return norm(x)
+            return lambda norm, t: keras.remat(lambda u: norm(u))(t)
+        return lambda norm, t: norm(t)
 
     def _rotate(self, x, start, positions=None):
         return rope.rotate(
