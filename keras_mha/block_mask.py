@@ -58,19 +58,25 @@ class BlockMask:
         batch: `B`, or `None` when the mask is the same for every batch row
             (`mask_mod` is then called with `b = 0`).
         heads: `H`, or `None` when the same for every head (`h = 0`).
-        is_causal: the mask is exactly causal, key `kv` seen by query `q` where
-            `kv <= q` (found by `create_block_mask`): the kernels then take it as
-            `use_causal_mask=True` (`masks.with_block_mask`), with the backend's own
-            causal kernel where it has one.
+        causal_from: a query position from which every query's row is exactly
+            causal, key `kv` seen by query `q` where `kv <= q` (found by
+            `create_block_mask`; `None`: no such row). 0: the mask is causal
+            (`is_causal`), which the kernels take as `use_causal_mask=True`
+            (`masks.with_block_mask`), with the backend's own causal kernel where it
+            has one; between 0 and `T` (a prefix-LM's queries past its prefix), the
+            fused kernel takes those rows from its causal kernel
+            (`kernels.fused`).
     """
 
     def __init__(
-        self, mask_mod, kinds, query_length, key_length, block_size, batch, heads, is_causal=False
+        self, mask_mod, kinds, query_length, key_length, block_size, batch, heads, causal_from=None
     ):
         self.mask_mod = mask_mod
-        self.is_causal = bool(is_causal)
         self.kinds = kinds
         self.query_length, self.key_length = int(query_length), int(key_length)
+        causal_from = self.query_length if causal_from is None else int(causal_from)
+        self.causal_from = min(causal_from, self.query_length)
+        self.is_causal = self.causal_from == 0
         self.block_size = tuple(int(x) for x in block_size)
         self.batch, self.heads = batch, heads
         nonempty = (kinds != EMPTY).any(axis=(0, 1))  # (nq, nk): some batch row or head
@@ -294,39 +300,41 @@ def create_block_mask(mask_mod, B, H, T, S, block_size=128):
         bounds = (*queries[:, :, None], *keys[:, None, :])
         by_block = _BLOCK_KINDS[mask_mod.name](*bounds, **mask_mod.config)
         kinds = np.broadcast_to(by_block.astype(np.int8), lead + (nq, nk)).copy()
-        is_causal = mask_mod.name == "causal"
-        return BlockMask(mask_mod, kinds, T, S, block_size, B, H, is_causal)
+        causal_from = _CAUSAL_FROM.get(mask_mod.name, lambda **_: None)(**mask_mod.config)
+        return BlockMask(mask_mod, kinds, T, S, block_size, B, H, causal_from)
     kinds = np.empty(lead + (nq, nk), np.int8)
     draft = BlockMask(mask_mod, np.ones(lead + (nq, nk), np.int8), T, S, block_size, B, H)
     queries, keys = _block_bounds(T, q_block), _block_bounds(S, kv_block)
     causal = _causal_kinds(*queries[:, :, None], *keys[:, None, :])  # (nq, nk)
-    is_causal = True
+    causal_rows = np.ones(nq, bool)  # per query block: its rows exactly causal
     for (q0, _, k0, _), dense in _grids(draft):
         some, every = _reduce(dense, q_block, kv_block)
         rows = slice(q0 // q_block, q0 // q_block + some.shape[2])
         cols = slice(k0 // kv_block, k0 // kv_block + some.shape[3])
         kinds[:, :, rows, cols] = _kinds(every, some)
         tile_kinds, tile_causal = kinds[:, :, rows, cols], causal[rows, cols]
-        is_causal = is_causal and _causal_tile(dense, tile_kinds, tile_causal, q0, k0, draft)
-    return BlockMask(mask_mod, kinds, T, S, block_size, B, H, is_causal)
+        causal_rows[rows] &= _causal_rows(dense, tile_kinds, tile_causal, q0, k0, draft)
+    first = len(causal_rows) - np.argmin(causal_rows[::-1]) if not causal_rows.all() else 0
+    return BlockMask(mask_mod, kinds, T, S, block_size, B, H, min(first * q_block, T))
 
 
-def _causal_tile(dense, kinds, causal, q_start, k_start, mask):
-    """Whether a tile from query `q_start` and key `k_start` (`dense`, its evaluated
-    `(B, H, q, k)` grid; `kinds`, its blocks) is exactly causal: its blocks' kinds are
-    causal's (`causal`), and each partial block holds `kv <= q` entry by entry
-    (causal's diagonal: a few blocks per row, read from the grid already evaluated)."""
-    if not np.array_equal(kinds, np.broadcast_to(causal, kinds.shape)):
-        return False
+def _causal_rows(dense, kinds, causal, q_start, k_start, mask):
+    """Per row of blocks of a tile from query `q_start` and key `k_start` (`dense`,
+    its evaluated `(B, H, q, k)` grid; `kinds`, its blocks), whether its part of the
+    row is exactly causal: its blocks' kinds are causal's (`causal`), and each
+    partial block holds `kv <= q` entry by entry (causal's diagonal: a few blocks per
+    row, read from the grid already evaluated)."""
+    rows = (kinds == np.broadcast_to(causal, kinds.shape)).all(axis=(0, 1, 3))
     q_block, kv_block = mask.block_size
     for i, j in zip(*np.nonzero(causal == PARTIAL)):
+        if not rows[i]:
+            continue
         q0, k0 = i * q_block, j * kv_block
         block = dense[:, :, q0 : q0 + q_block, k0 : k0 + kv_block]
         q = np.arange(q_start + q0, q_start + q0 + block.shape[2])[:, None]
         kv = np.arange(k_start + k0, k_start + k0 + block.shape[3])
-        if not np.array_equal(block, np.broadcast_to(q >= kv, block.shape)):
-            return False
-    return True
+        rows[i] = np.array_equal(block, np.broadcast_to(q >= kv, block.shape))
+    return rows
 
 
 def _block_bounds(length, block):
@@ -529,6 +537,14 @@ _BLOCK_KINDS = {
     "causal": _causal_kinds,
     "sliding_window": _sliding_window_kinds,
     "prefix_lm": _prefix_lm_kinds,
+}
+
+# Named patterns whose rows are exactly causal from a query position on: name -> a
+# function of the pattern's arguments giving that position (a prefix-LM's query
+# `q >= prefix_length - 1` sees `kv <= q`, its prefix included: causal).
+_CAUSAL_FROM = {
+    "causal": lambda: 0,
+    "prefix_lm": lambda prefix_length: max(0, prefix_length - 1),
 }
 
 

@@ -548,6 +548,64 @@ def test_a_causal_mask_mod_is_found_exactly(t, s):
     assert not build(_causal_offset(t, s)[0]).is_causal or s == t
 
 
+@pytest.mark.parametrize("t,s", [(17, 17), (13, 9), (6, 11)])
+def test_causal_from_is_where_every_later_row_is_exactly_causal(t, s):
+    """`causal_from`: from that query on, every row of the mask is `kv <= q` entry by
+    entry (the one before it is not, or it is 0); named patterns exactly, functions
+    by rows of blocks. `T` where no row from some position on is."""
+    build = lambda mod: bm_lib.create_block_mask(mod, None, None, t, s, block_size=BLOCK)  # noqa: E731
+    q, k = _grid(t, s)
+
+    def last_rows(m):  # the largest set of trailing rows equal to causality
+        dense, causal = m.to_dense()[0, 0], q >= k
+        rows = [i for i in range(t) if (dense[i:] == causal[i:]).all()]
+        return rows[0] if rows else t
+
+    def late_extra(b, h, qi, ki):  # causal, but the last two queries also see key 0..s
+        return ops.logical_or(ops.greater_equal(qi, ki), ops.greater_equal(qi, t - 2))
+
+    mods = {
+        "named causal": bm_lib.causal(),
+        "named prefix": bm_lib.prefix_lm(3),
+        "prefix": _prefix_lm(t, s, prefix=3)[0],
+        "causal": _causal(t, s)[0],
+        "window": bm_lib.sliding_window(2),
+        "late extra": late_extra,
+    }
+    for name, mod in mods.items():
+        m = build(mod)
+        exact = last_rows(m)
+        assert m.is_causal == (m.causal_from == 0), name
+        if name.startswith("named") or exact in (0, t):
+            assert m.causal_from == exact, name
+        else:  # functions: the first whole block of rows from which on all are causal
+            q_block = BLOCK[0]
+            assert m.causal_from == min(t, -(-exact // q_block) * q_block), name
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("which", ["named", "function"])
+def test_prefix_lm_rows_past_the_prefix_run_causal(rng, monkeypatch, kernel, which):
+    """A prefix-LM (`T = S`, a short prefix): every kernel gives the float64
+    reference's outputs and gradients; the fused kernel takes the rows past the prefix
+    from one call of its causal kernel (`is_causal`), the rest by chunks."""
+    t = s = 17
+    mod, _, _, dense = _prefix_lm(t, s, prefix=3)
+    mask = bm_lib.create_block_mask(bm_lib.prefix_lm(3) if which == "named" else mod,
+                                    None, None, t, s, block_size=BLOCK)  # fmt: skip
+    assert 0 < 4 * mask.causal_from <= t
+    calls = []
+    original = fused._Kernel.__call__
+    monkeypatch.setattr(
+        fused._Kernel,
+        "__call__",
+        lambda self, q, *a: calls.append((q.shape[1], a[4])) or original(self, q, *a),
+    )
+    _assert_matches(rng, kernel, masks.AttentionMask(block_mask=mask), dense, t, s)
+    if kernel == "fused":
+        assert (t, True) in calls and all(rows <= mask.causal_from for rows, c in calls if not c)
+
+
 @pytest.mark.parametrize("which", ["named", "function"])
 def test_a_causal_mask_mod_runs_as_use_causal_mask(rng, monkeypatch, which):
     """The layer and the functional entry point hand an exactly causal `mask_mod` to

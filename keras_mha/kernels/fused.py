@@ -59,6 +59,8 @@ def attention(
         output = _folded(run, query, key, value, mask, scale)
     elif (runs := _document_runs(query, key, mask, bias, chunk_size)) is not None:
         output = _by_documents(run, query, key, value, mask, runs)
+    elif (rows := _causal_from(query, key, mask, bias)) is not None:
+        output = _with_causal_rows(run, query, key, value, mask, rows, chunk_size)
     else:
         output = _by_chunks(run, query, key, value, mask, bias, chunk_size)
     output = ops.cast(output, dtype)
@@ -363,6 +365,37 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
         )
         outputs.append(output)
     return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs[::-1], axis=1)
+
+
+def _causal_from(query, key, mask, bias):
+    """The query position `R` from which a block mask's rows are exactly causal
+    (`BlockMask.causal_from`: a prefix-LM's queries past its prefix), where the call
+    is `T = S` self-attention under the block mask alone, and `R` at most a quarter
+    of `T` (a larger `R` measured slower: benchmarks/results, "Attention patterns as
+    code"); else `None`."""
+    block_mask = mask.block_mask
+    if block_mask is None or bias is not None or mask.static_offset != 0:
+        return None
+    others = (mask.query_valid, mask.key_valid, mask.dense, mask.window, mask.query_segments)
+    if mask.causal or any(x is not None for x in others):
+        return None  # padding, a dense mask, a window, documents or causality too
+    length, rows = query.shape[1], block_mask.causal_from
+    if not (isinstance(length, int) and length == key.shape[1] == block_mask.query_length):
+        return None
+    return rows if 0 < rows and 4 * rows <= length else None
+
+
+def _with_causal_rows(run, query, key, value, mask, rows, chunk_size):
+    """Queries before `rows` by chunks under the block mask (`_by_chunks`); those
+    from `rows` on, whose rows are causal, as the rows of one call of the backend's
+    causal kernel (`is_causal`, its own block skipping) over all the queries. The
+    rows before `rows` are computed there too and dropped: at most a fifteenth of
+    the work of the rows kept, at `4 * rows <= T`."""
+    queries = masks_lib.slice_along(query, 1, 0, rows)
+    head = _by_chunks(run, queries, key, value, mask, None, chunk_size)
+    causal = run(query, key, value, None, None, True, None)
+    tail = masks_lib.slice_along(causal, 1, rows, query.shape[1] - rows)
+    return ops.concatenate([head, tail], axis=1)
 
 
 def _spans_of(x, spans):
