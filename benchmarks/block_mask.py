@@ -216,13 +216,18 @@ def report(records, sizes, command):
         "",
         "`floor`: the unmasked step with the attention replaced by a zero output (the",
         "projections, loss and optimizer, which no mask makes cheaper). `/ unmasked`: the",
-        "step against the unmasked step (the issue's target: at most 1.3 x density; out",
-        "of reach wherever the floor alone is above it); `attention / unmasked`: the",
-        "step less the floor against the unmasked step less the floor.",
+        "step against the unmasked step (the issue's target: at most 1.3 x density);",
+        "`attention / unmasked`: the step less the floor against the unmasked step less",
+        "the floor. `speed needed` and `speed reached`: the attention's speed per",
+        "non-empty block, as a share of the unmasked attention's (whose every block is",
+        "computed), that the target needs and that the step reached: `density x",
+        "(unmasked - floor) / (time - floor)`, the time the target's or the step's.",
+        "Above 100% needed, the target is out of reach for any kernel that computes",
+        "whole blocks at the dense kernel's speed.",
         "",
         "| backend | pattern | density | ms | / unmasked | attention / unmasked "
-        "| target 1.3 x density |",
-        "|---|---|---|---|---|---|---|",
+        "| target 1.3 x density | speed needed | speed reached |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for record in records:
         steps = record["steps"]
@@ -232,12 +237,16 @@ def report(records, sizes, command):
             density = row["density"]
             target = "" if density is None else f"{1.3 * density:.2f}"
             shown = "" if density is None else f"{density:.3f}"
-            attention = ""
+            attention = needed = reached = ""
             if floor is not None and name != "floor":
                 attention = f"{(row['seconds'] - floor) / (unmasked - floor):.2f}"
+            if floor is not None and density is not None and name != "unmasked":
+                needed = _speed_share(density, 1.3 * density * unmasked, unmasked, floor)
+                reached = _speed_share(density, row["seconds"], unmasked, floor)
             lines.append(
                 f"| {record['backend']} | {name} | {shown} | {1000 * row['seconds']:.1f} "
-                f"| {row['seconds'] / unmasked:.2f} | {attention} | {target} |"
+                f"| {row['seconds'] / unmasked:.2f} | {attention} | {target} "
+                f"| {needed} | {reached} |"
             )
     lines += [
         "",
@@ -260,6 +269,15 @@ def report(records, sizes, command):
                 f"| {d['peak_rss_growth_mib']:.1f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _speed_share(density, seconds, unmasked, floor):
+    """The attention's speed per non-empty block, as a share of the unmasked
+    attention's, that a step of `seconds` implies (text; "no time left" where the
+    floor alone takes it)."""
+    if seconds <= floor:
+        return "no time left"
+    return f"{100 * density * (unmasked - floor) / (seconds - floor):.0f}%"
 
 
 def _cpu():
