@@ -13,6 +13,8 @@ Padded queries, and rows left with no key, are zeroed after the kernel, which ne
 sees an all-masked row (some kernels turn one into NaN).
 """
 
+import dataclasses
+
 import numpy as np
 from keras import backend, ops
 
@@ -376,8 +378,7 @@ def _causal_from(query, key, mask, bias):
     block_mask = mask.block_mask
     if block_mask is None or bias is not None or mask.static_offset != 0:
         return None
-    others = (mask.query_valid, mask.key_valid, mask.dense, mask.window, mask.query_segments)
-    if mask.causal or any(x is not None for x in others):
+    if not dataclasses.replace(mask, block_mask=None).is_empty:
         return None  # padding, a dense mask, a window, documents or causality too
     length, rows = query.shape[1], block_mask.causal_from
     if not (isinstance(length, int) and length == key.shape[1] == block_mask.query_length):
