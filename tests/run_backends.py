@@ -111,11 +111,31 @@ SPLIT = {
 LONGEST_FIRST = ("jax", "tensorflow", "jax[models]", "torch")
 
 
+# TensorFlow's and torch's runs compute on one thread each: the two runs share the two
+# cores, and the tests' tensors are tiny, so a second thread per op only adds its
+# hand-off. JAX keeps XLA's threads (its eigen threads off made its runs slower).
+# Measured: the Benchmarks page, "Test-suite times".
+ONE_COMPUTE_THREAD = {
+    "tensorflow": {
+        "TF_NUM_INTRAOP_THREADS": "1",
+        "TF_NUM_INTEROP_THREADS": "2",
+        "OMP_NUM_THREADS": "1",
+    },
+    "torch": {"OMP_NUM_THREADS": "1"},
+}
+
+
 def _run_pytest(label, backend, pytest_args, extra_env=None):
     LOGS.mkdir(exist_ok=True)
     junit = LOGS / f"{label}.xml"
     log = LOGS / f"{label}.log"
-    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONHASHSEED": "0", **(extra_env or {})}
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": backend,
+        "PYTHONHASHSEED": "0",
+        **ONE_COMPUTE_THREAD.get(backend, {}),
+        **(extra_env or {}),
+    }
     cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}", *pytest_args]
     start = time.perf_counter()
     with open(log, "w") as out:
