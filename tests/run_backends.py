@@ -111,18 +111,11 @@ SPLIT = {
 LONGEST_FIRST = ("jax", "tensorflow", "jax[models]", "torch")
 
 
-# TensorFlow's and torch's runs compute on one thread each: the two runs share the two
-# cores, and the tests' tensors are tiny, so a second thread per op only adds its
-# hand-off. JAX keeps XLA's threads (its eigen threads off made its runs slower).
-# Measured: the Benchmarks page, "Test-suite times".
-ONE_COMPUTE_THREAD = {
-    "tensorflow": {
-        "TF_NUM_INTRAOP_THREADS": "1",
-        "TF_NUM_INTEROP_THREADS": "2",
-        "OMP_NUM_THREADS": "1",
-    },
-    "torch": {"OMP_NUM_THREADS": "1"},
-}
+# torch's runs compute on one thread: the two runs share the two cores, and the tests'
+# tensors are tiny, so a second thread per op only adds its hand-off. TensorFlow's one
+# thread showed no gain beyond the host's noise, and JAX's XLA threads off made its runs
+# slower. Measured: the Benchmarks page, "Test-suite times".
+ONE_COMPUTE_THREAD = {"torch": {"OMP_NUM_THREADS": "1"}}
 
 
 def _run_pytest(label, backend, pytest_args, extra_env=None):
