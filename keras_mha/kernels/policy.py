@@ -64,7 +64,8 @@ class Policy:
             when tracing and have at most this many entries. Keras's TensorFlow
             `ops.einsum` writes them as transposes around a matmul: faster on larger
             calls, but three graph ops for one, which a small model pays on every
-            call (benchmarks/results/small_tensorflow_einsum.md).
+            call; a cached decoding step's large keys lose with one op
+            (benchmarks/results/small_tensorflow_einsum.md).
         loop: the chunked kernel visits its chunks in a compiled loop instead of
             unrolling them. XLA schedules unrolled chunks together and keeps all
             their buffers; a loop holds one chunk's. Its shapes are static: each
@@ -178,7 +179,7 @@ POLICIES = {
         chunk_bytes=32 << 20,
         in_flight=2,
         explicit_up_to=1 << 22,
-        one_op_einsum_up_to=1 << 15,
+        one_op_einsum_up_to=1 << 13,
         loop=True,
         dynamic=True,
         skip_zero_gradient_chunks=True,
