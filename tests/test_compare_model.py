@@ -178,6 +178,50 @@ def test_builtins_known_torch_difference_is_classified_not_failed(
     assert result["classification"] == [known.TORCH_FULLY_MASKED_ROWS]
 
 
+@pytest.fixture(scope="module")
+def hub_mistral(tmp_path_factory):
+    """A tiny keras-hub Mistral whose window (4) is shorter than the padding that
+    `compare --model` synthesizes: padded queries see no key. keras-hub gives them the
+    values' mean on jax and torch and a zero output on tensorflow (the guarantees
+    page)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.MistralBackbone(
+        vocabulary_size=50,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+        sliding_window=4,
+    )
+    path = str(tmp_path_factory.mktemp("hub") / "mistral.keras")
+    keras_hub.models.MistralCausalLM(backbone, preprocessor=None).save(path)
+    return path
+
+
+def test_keras_hub_model_whose_rows_differ_by_backend_is_judged_against_its_own_path(
+    hub_mistral,
+):
+    """Swapped, the padded case keeps keras-hub's outputs on every backend; on torch its
+    gradients through those rows are Keras's torch path's (the known difference), which
+    tensorflow's keras-hub (zero rows) cannot explain and jax's (the mean) does."""
+    record = compare.compare_model(hub_mistral, [], repeats=0)
+    padded = record["input_cases"]["padded"]
+    assert record["passed"] is True, record
+    assert padded["max_abs_diff"] <= 1e-4
+    if keras.backend.backend() != "torch":
+        assert padded["classification"] is None
+        return
+    found = padded["classification"]
+    assert found["name"] == known.TORCH_FULLY_MASKED_ROWS
+    assert found["reference_backend"] == "jax"
+    assert found["ours_vs_reference"] <= found["tolerance"] < found["builtin_vs_reference"]
+    perturbed = compare.compare_model(hub_mistral, [], repeats=0, perturb=0.05)
+    assert perturbed["passed"] is False and perturbed["classification"] is None
+
+
 def test_perturbed_model_with_the_known_difference_still_fails(saved, reference_imports):
     record = compare.compare_model(saved["residual"], IMPORTS, repeats=0, perturb=0.05)
     assert record["passed"] is False and record["classification"] is None

@@ -1496,3 +1496,18 @@ def test_swap_carries_what_keras_hubs_config_drops(monkeypatch):
         warnings.simplefilter("ignore")
         rebuilt = keras_mha.swap(backbone)  # what keras-hub's config alone gives
     assert not np.allclose(aux_losses(rebuilt), expected, rtol=1e-3)
+
+
+def test_rows_no_key_reaches_get_keras_hubs_outputs(pair):
+    """A left-padded row: its first queries see no key (a causal model's), or none that
+    is not padding. keras-hub gives them the values' mean where its class runs Keras's
+    fused `ops.dot_product_attention` and a zero output where it runs its masked
+    `keras.layers.Softmax` (tensorflow, or a CPU, by class: the guarantees page); the
+    swap keeps what keras-hub's class gives on this backend."""
+    model, swapped = pair.models
+    token_ids, padding_mask = _tokens()
+    padding_mask[0, :3] = 0
+    inputs = ZOO[pair.name].inputs(token_ids * padding_mask, padding_mask)
+    expected = _logits(model, inputs)
+    assert np.isfinite(expected).all()
+    np.testing.assert_allclose(_logits(swapped, inputs), expected, atol=ATOL, rtol=1e-5)

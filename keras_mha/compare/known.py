@@ -51,10 +51,18 @@ def suspect(backend, result, atol=ATOL):
     return outputs <= atol and grads > bound
 
 
+def reference_backends(backend, installed):
+    """The installed backends of `REFERENCE_BACKENDS` other than `backend`, in order.
+    A case is judged against each in turn until one explains it: a model whose own
+    code differs between backends elsewhere (keras-hub's attention gives a row with no
+    key the values' mean on jax and a zero output on tensorflow: the guarantees page)
+    is explained by the backend whose path matches torch's."""
+    return [b for b in REFERENCE_BACKENDS if b != backend and b in installed]
+
+
 def reference_backend(backend, installed):
-    """The first installed backend of `REFERENCE_BACKENDS` other than `backend`, or
-    `None`."""
-    return next((b for b in REFERENCE_BACKENDS if b != backend and b in installed), None)
+    """The first of `reference_backends`, or `None`."""
+    return next(iter(reference_backends(backend, installed)), None)
 
 
 def classify(ours, builtin, reference, atol=ATOL):

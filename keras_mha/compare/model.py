@@ -161,8 +161,9 @@ def _case_passed(result):
 def _judge(result, evidence, path, imports, arrays):
     """Sets the case's `passed` and `classification`: a case that fails only in the
     pattern of a known defect of the built-in (`known.suspect`) is judged against the
-    built-in on another backend (`workers.run_reference`), and passes, classified, when
-    ours matches that reference and the built-in here does not (`known.classify`)."""
+    built-in on the other backends in turn (`workers.run_reference`), and passes,
+    classified, when ours matches one of them and the built-in here does not
+    (`known.classify`)."""
     import keras
 
     from keras_mha.compare import known
@@ -177,15 +178,15 @@ def _judge(result, evidence, path, imports, arrays):
         return
     from keras_mha.compare import records, workers
 
-    other = known.reference_backend(backend, records.installed_backends())
-    result["reference_backend"] = other
-    if other is None:
-        return
-    reference = workers.run_reference(other, path, imports, arrays, evidence["cotangents"])
-    classification = known.classify(evidence["ours"], evidence["builtin"], reference)
-    if classification is not None:
-        result["classification"] = classification
-        result["passed"] = True
+    result["reference_backend"] = None
+    for other in known.reference_backends(backend, records.installed_backends()):
+        result["reference_backend"] = other
+        reference = workers.run_reference(other, path, imports, arrays, evidence["cotangents"])
+        classification = known.classify(evidence["ours"], evidence["builtin"], reference)
+        if classification is not None:
+            result["classification"] = classification
+            result["passed"] = True
+            return
 
 
 def _classifications(input_cases):

@@ -18,7 +18,7 @@ def _options(config, dim):
         dropout_on="weights_and_projected_output",
         kernel_initializer=common.clone(config["kernel_initializer"]),
         bias_initializer=common.clone(config["bias_initializer"]),
-        fully_masked_rows="builtin",
+        fully_masked_rows="zero",  # keras-hub's masked `keras.layers.Softmax`
     )
 
 

@@ -153,9 +153,25 @@ def decoder_options(config, dim, **options):
         "dropout_on": "output",
         "rope_max_wavelength": config["rope_max_wavelength"],
         "kernel_initializer": clone(config["kernel_initializer"]),
-        "fully_masked_rows": "builtin",
+        "fully_masked_rows": fused_or_softmax_rows(),
         **options,
     }
+
+
+def fused_or_softmax_rows(fused=None):
+    """`fully_masked_rows` for a keras-hub attention that takes Keras's
+    `ops.dot_product_attention` where `fused` (keras-hub's own test, run on the backend
+    that builds the layer; by default its `fused_attention_op_available()`: jax and
+    torch) and its masked `keras.layers.Softmax` elsewhere: a row with no visible key
+    gets the values' mean from the first ("builtin": what that op gives) and zero
+    weights from the second, which zeroes the masked weights ("zero"). Read where the
+    layer is built, so a file saved on one backend predicts as keras-hub's class does
+    on the one that loads it."""
+    if fused is None:
+        from keras_hub.src.utils.keras_utils import fused_attention_op_available
+
+        fused = fused_attention_op_available()
+    return "builtin" if fused else "zero"
 
 
 def clone(initializer):

@@ -15,7 +15,7 @@ def _options(config, dim):
         key_dim=dim // heads,
         use_bias=True,
         dropout=config["attention_dropout_rate"],
-        fully_masked_rows="builtin",
+        fully_masked_rows="zero",  # keras-hub's masked `keras.layers.Softmax`
     )
 
 

@@ -28,9 +28,9 @@ NOTES = (
     "keras-hub",
     "the attention weights (keras-hub's second output, which its decoder discards) are "
     "not computed: `None`",
-    "a query whose keys are all masked (a padded query past a short window) gets the "
-    "mean of all the values in keras-hub (-1e9 logits), a zero attention output with "
-    "ours (outputs at padded positions only)",
+    "a query whose keys are all masked (a padded query past a short window, or a "
+    "left-padded one) gets the mean of all the values in keras-hub (-1e9 logits): kept "
+    '(`fully_masked_rows="builtin"`)',
 )
 
 
@@ -49,6 +49,7 @@ def _options(config, dim):
         rope_scaling_factor=config["rope_scaling_factor"] or 1.0,
         sliding_window=config["sliding_window"],
         output_shape=config["hidden_size"] if config["hidden_size"] != dim else None,
+        fully_masked_rows="builtin",
     )
 
 

@@ -19,7 +19,7 @@ def _options(config, dim):
         bias_initializer=common.clone(config["bias_initializer"]),
         rope_max_wavelength=config["rotary_max_wavelength"],
         rope_dim=None if rotary == size else rotary,
-        fully_masked_rows="builtin",
+        fully_masked_rows=common.fused_or_softmax_rows(),
     )
 
 

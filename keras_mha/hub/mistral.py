@@ -12,13 +12,28 @@ from keras_mha.hub import common
 from keras_mha.hub.adapter import Entry
 
 
-def _options(config, dim):
+def _options(config, dim, **options):
     return common.decoder_options(
         config,
         dim,
         sliding_window=config["sliding_window"],
         rope_scaling_factor=config["rope_scaling_factor"],
+        **options,
     )
+
+
+def _mixtral_options(config, dim):
+    """Mixtral's: Mistral's, with the rows no key reaches as keras-hub's class gives them
+    (`CachedMixtralAttention._use_fused_attention_op`, which reads only `dropout`: its
+    fused op on a GPU or TPU, its masked softmax on every CPU)."""
+    import types
+
+    from keras_hub.src.models.mixtral.mixtral_attention import CachedMixtralAttention
+
+    fused = CachedMixtralAttention._use_fused_attention_op(
+        types.SimpleNamespace(dropout=config["dropout"])
+    )
+    return _options(config, dim, fully_masked_rows=common.fused_or_softmax_rows(fused))
 
 
 _NOTES = (
@@ -35,7 +50,7 @@ ADAPTERS = {
         notes=_NOTES,
     ),
     "keras_hub.src.models.mixtral.mixtral_attention.CachedMixtralAttention": Entry(
-        options=_options,
+        options=_mixtral_options,
         call=common.self_attention,
         decoder_mask=common.causal_decoder_mask,
         weights=lambda layer: common.weights(layer, common.PUBLIC_PROJECTIONS),

@@ -71,7 +71,7 @@ def _base(config, dim, key_dim, window, fused):
         rope_max_wavelength=config["rope_max_wavelength"],
         rope_scaling_factor=config["rope_scaling_factor"],
         kernel_initializer=common.clone(config["kernel_initializer"]),
-        fully_masked_rows="builtin",
+        fully_masked_rows=common.fused_or_softmax_rows(fused(config)),
     )
 
 

@@ -26,7 +26,7 @@ def _options(config, dim):
         dropout_on="output",
         kernel_initializer=common.clone(config["kernel_initializer"]),
         sliding_window=_window(config),
-        fully_masked_rows="builtin",
+        fully_masked_rows=common.fused_or_softmax_rows(),
     )
     if config["mrope_section"] is not None:
         options["rope_scaling"] = {"type": "mrope", "sections": list(config["mrope_section"])}

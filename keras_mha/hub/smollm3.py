@@ -29,7 +29,7 @@ def _options(config, dim):
         use_output_bias=False,
         rope_max_wavelength=config["rope_theta"] if use_rope else None,
         rope_dim=rope_dim if use_rope and rope_dim < head_dim else None,
-        fully_masked_rows="builtin",
+        fully_masked_rows=common.fused_or_softmax_rows(),
     )
 
 
