@@ -174,6 +174,15 @@ def fused_or_softmax_rows(fused=None):
     return "builtin" if fused else "zero"
 
 
+def own_fused_test(hub_class, config):
+    """A keras-hub class's `_use_fused_attention_op()` (Mixtral's, Qwen-MoE's: its fused op
+    on a GPU or TPU without dropout, its masked softmax on every CPU), run on the layer's
+    configuration: the test reads only `dropout`."""
+    import types
+
+    return hub_class._use_fused_attention_op(types.SimpleNamespace(dropout=config["dropout"]))
+
+
 def clone(initializer):
     """A fresh copy of a keras-hub initializer (each layer gets its own)."""
     from keras_hub.src.utils.keras_utils import clone_initializer

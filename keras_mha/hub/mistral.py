@@ -23,16 +23,10 @@ def _options(config, dim, **options):
 
 
 def _mixtral_options(config, dim):
-    """Mixtral's: Mistral's, with the rows no key reaches as keras-hub's class gives them
-    (`CachedMixtralAttention._use_fused_attention_op`, which reads only `dropout`: its
-    fused op on a GPU or TPU, its masked softmax on every CPU)."""
-    import types
-
+    """Mistral's, with the rows no key reaches as `CachedMixtralAttention` gives them."""
     from keras_hub.src.models.mixtral.mixtral_attention import CachedMixtralAttention
 
-    fused = CachedMixtralAttention._use_fused_attention_op(
-        types.SimpleNamespace(dropout=config["dropout"])
-    )
+    fused = common.own_fused_test(CachedMixtralAttention, config)
     return _options(config, dim, fully_masked_rows=common.fused_or_softmax_rows(fused))
 
 

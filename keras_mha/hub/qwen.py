@@ -11,8 +11,6 @@ the layer is built on, is ours: the window is given to our layer exactly where
 keras-hub's class applies it, so the swap keeps the model's outputs.
 """
 
-import types
-
 from keras_mha.hub import common
 from keras_mha.hub.adapter import Entry
 
@@ -53,9 +51,7 @@ def _fused_on_accelerators(config):
     layer's configuration (it reads only `dropout`)."""
     from keras_hub.src.models.qwen_moe.qwen_moe_attention import QwenMoeAttention
 
-    return QwenMoeAttention._use_fused_attention_op(
-        types.SimpleNamespace(dropout=config["dropout"])
-    )
+    return common.own_fused_test(QwenMoeAttention, config)
 
 
 def _base(config, dim, key_dim, window, fused):
