@@ -85,22 +85,26 @@ def input_specs(model, path, required=True):
     return [(t.name, tuple(t.shape), str(t.dtype)) for t in inputs]
 
 
-def synthesize(specs, path, seed=0):
-    """Arrays for the specs: floats standard normal, ints in [1, 10), bools random;
-    an unknown batch dimension is 2, any other unknown dimension 16."""
+def synthesize(specs, path, seed=0, bounds=None):
+    """Arrays for the specs: floats standard normal, ints in [1, 10) (below
+    `bounds[i]` for input `i` where given: `integer_bounds`; 0 where that is 1), mask
+    inputs (`is_mask_input`) all ones (nothing padded: `padded` pads them); an unknown
+    batch dimension is 2, any other unknown dimension 16."""
     rng = np.random.default_rng(seed)
     arrays = []
-    for name, shape, dtype in specs:
+    bounds = bounds or {}
+    for index, (name, shape, dtype) in enumerate(specs):
         concrete = tuple(
             (BATCH if i == 0 else LENGTH) if d is None else d for i, d in enumerate(shape)
         )
         kind = _kind(dtype)
-        if kind == "f":
+        if is_mask_input(name, dtype):
+            array = np.ones(concrete, dtype)
+        elif kind == "f":
             array = rng.standard_normal(concrete).astype("float32")
         elif kind in "iu":
-            array = rng.integers(1, 10, concrete).astype(dtype)
-        elif kind == "b":
-            array = rng.random(concrete) < 0.5
+            high = min(10, bounds.get(index, 10))
+            array = rng.integers(min(1, high - 1), high, concrete).astype(dtype)
         else:
             raise UsageError(
                 f"{path}: cannot synthesize input '{name}' of dtype {dtype}; "
@@ -114,15 +118,14 @@ def padded(model, specs, arrays):
     """The arrays with padding, or `None` where the model takes none: each row `b`
     keeps its first `max(1, (b + 1) * L // (B + 1))` positions along axis 1. Integer
     inputs that reach an `Embedding(mask_zero=True)` (found by walking the model's
-    graph back from each such embedding) get trailing zeros; mask inputs (bool, or
-    integer named `*mask*`) get trailing `False`/0 at the same positions."""
+    graph back from each such embedding) get trailing zeros; mask inputs
+    (`is_mask_input`) get trailing `False`/0 at the same positions."""
     if not specs or len(specs) != len(arrays):
         return None
     feeding = _inputs_feeding_masked_embeddings(model)
     result, changed = [], False
     for index, ((name, _, dtype), array) in enumerate(zip(specs, arrays)):
-        kind = _kind(dtype)
-        mask_input = kind == "b" or (kind in "iu" and "mask" in name.lower())
+        mask_input = is_mask_input(name, dtype)
         if array.ndim < 2 or array.shape[1] < 2 or not (mask_input or index in feeding):
             result.append(array)
             continue
@@ -142,40 +145,72 @@ def padded(model, specs, arrays):
 def _inputs_feeding_masked_embeddings(model):
     """Indices of the model's inputs from which an `Embedding(mask_zero=True)` (or a
     layer holding one) is reached, through any layers and ops."""
+    return {
+        index
+        for index, layers in embeddings_reached(model).items()
+        if any(getattr(layer, "mask_zero", False) for layer in layers)
+    }
+
+
+def integer_bounds(model):
+    """`{input index: n}`: the smallest `input_dim` of the embeddings each input
+    reaches (`embeddings_reached`), which its synthesized values stay below (a
+    keras-hub model's `segment_ids` reach a 2-row segment embedding)."""
+    return {
+        index: min(layer.input_dim for layer in layers)
+        for index, layers in embeddings_reached(model).items()
+    }
+
+
+def embeddings_reached(model):
+    """`{input index: [keras.layers.Embedding]}`: the embeddings each of a functional
+    model's inputs reaches, found by walking its graph back from each embedding (or
+    layer holding one) through any layers and ops, and into nested functional models
+    (a keras-hub task's backbone), input by input."""
     import keras
 
     inputs = list(getattr(model, "inputs", None) or [])
     positions = {id(t): i for i, t in enumerate(inputs)}
-    found, seen = set(), set()
+    found = {}
 
-    def sources(tensor):
+    def sources(tensor, seen):
         if id(tensor) in seen:
-            return
+            return set()
         seen.add(id(tensor))
         if id(tensor) in positions:
-            found.add(positions[id(tensor)])
-            return
+            return {positions[id(tensor)]}
         history = getattr(tensor, "_keras_history", None)
         if history is None:
-            return
+            return set()
         node = history.operation._inbound_nodes[history.node_index]
+        reached = set()
         for parent in node.input_tensors:
-            sources(parent)
+            reached |= sources(parent, seen)
+        return reached
 
-    def masks_zero(operation):
+    def add(tensors, layers):
+        for index in set().union(*(sources(t, set()) for t in tensors)):
+            found.setdefault(index, []).extend(layers)
+
+    for operation in getattr(model, "operations", None) or []:
+        nested = getattr(operation, "inputs", None) if isinstance(operation, keras.Model) else None
+        if nested and getattr(operation, "operations", None):
+            inner = embeddings_reached(operation)
+            for node in operation._inbound_nodes:
+                outer = node.input_tensors
+                if len(outer) != len(nested):
+                    add(outer, [layer for layers in inner.values() for layer in layers])
+                    continue
+                for index, layers in inner.items():
+                    add([outer[index]], layers)
+            continue
         layers = [operation]
         if isinstance(operation, keras.layers.Layer):
             layers = operation._flatten_layers(include_self=True, recursive=True)
-        return any(
-            isinstance(layer, keras.layers.Embedding) and getattr(layer, "mask_zero", False)
-            for layer in layers
-        )
-
-    for operation in getattr(model, "operations", None) or []:
-        if masks_zero(operation):
+        embeddings = [layer for layer in layers if isinstance(layer, keras.layers.Embedding)]
+        if embeddings:
             for node in operation._inbound_nodes:
-                for tensor in node.input_tensors:
-                    sources(tensor)
+                add(node.input_tensors, embeddings)
     return found
 
 
@@ -246,6 +281,13 @@ def model_inputs(model, arrays):
     if structure is None or len(arrays) != len(keras.tree.flatten(structure)):
         return arrays[0] if len(arrays) == 1 else list(arrays)
     return keras.tree.pack_sequence_as(structure, list(arrays))
+
+
+def is_mask_input(name, dtype):
+    """Whether an input is a mask: bool, or an integer named `*mask` (`padding_mask`,
+    `decoder_padding_mask`; not a masked LM's `mask_positions`)."""
+    kind = _kind(dtype)
+    return kind == "b" or (kind in "iu" and name.lower().endswith("mask"))
 
 
 def _kind(dtype):

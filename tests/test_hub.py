@@ -1511,3 +1511,34 @@ def test_rows_no_key_reaches_get_keras_hubs_outputs(pair):
     expected = _logits(model, inputs)
     assert np.isfinite(expected).all()
     np.testing.assert_allclose(_logits(swapped, inputs), expected, atol=ATOL, rtol=1e-5)
+
+
+# One model per way an entry lays keras-hub's weights out as ours: Gemma's kernels
+# transposed, GPT-NeoX's fused projection split, T5's `Dense` kernels reshaped (a
+# relative-position table beside them; a seq2seq model's two padding masks), Qwen3.5's
+# query kernel split into query and gate, T5Gemma's additive masks (padded decoder
+# queries see no key) and RoFormer's segment ids (a 2-row embedding).
+CLI_MODELS = ["gemma", "gpt_neo_x", "t5", "qwen3_5", "t5gemma", "roformer"]
+
+
+@pytest.mark.parametrize("name", CLI_MODELS)
+def test_swap_file_pairs_the_gradients_of_weights_laid_out_anew(name, tmp_path):
+    """`keras-mha swap` (`compare.swap_file`, what its worker runs) on a saved keras-hub
+    model: the weight gradients are compared in our layout (`compare.model
+    .in_our_layout`) and each input case passes; a perturbed copy of one fails."""
+    from keras_mha import compare
+
+    keras.utils.set_random_seed(0)
+    model = ZOO[name].build()
+    _randomize(model, 0)
+    path = str(tmp_path / f"{name}.keras")
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = compare.swap_file(path, str(tmp_path / "out.keras"))
+        perturbed = None
+        if name == "gpt_neo_x":
+            perturbed = compare.swap_file(path, str(tmp_path / "p.keras"), perturb=0.05)
+    assert result["passed"] is True, result["input_cases"]
+    assert result["classification"] is None
+    assert perturbed is None or perturbed["passed"] is False

@@ -399,6 +399,31 @@ def test_fused_takes_a_bias(rng, masking):
     _assert_same("fused", MASKS[masking](T, T), (q, k, v, bias), ("bias",))
 
 
+@pytest.mark.parametrize("kernel", ["fused"] + CHUNKED)
+def test_bias_row_with_no_key_has_the_explicit_kernels_gradients(rng, kernel):
+    """An additive mask, a constant, with a row left with no key (keras-hub's T5Gemma:
+    `(1 - mask) * -1e9` on a padded query): every kernel's gradients are the explicit
+    kernel's. A logsumexp kept in float32 near -1e9 loses the row's `log(S)`, and its
+    gradients come out wrong: torch's CPU flash kernel's (`fused._exact_backward`) and
+    the chunked kernel's before `logits.no_key_offset`."""
+    q, k, v = _inputs(rng)
+    visible = np.ones((B, 1, T, T), bool)
+    visible[1, :, 3:5, :] = False  # rows 3 and 4 of the second sequence: no key
+    visible[0, :, :, T - 2 :] = False
+    bias = np.where(visible, 0.0, -1e9).astype("float32")
+
+    def run(kernel):
+        return lambda *qkv: _run(kernel, None, ("bias",))(*qkv, ops.convert_to_tensor(bias))
+
+    expected, expected_grads = value_and_grads(run("explicit"), (q, k, v))
+    out, grads = value_and_grads(run(kernel), (q, k, v))
+    np.testing.assert_allclose(out, expected, atol=ATOL)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    # The rows with no key reach the gradients: they are not zero there.
+    assert np.abs(grads[0][1, 3:5]).max() > 1e-3
+
+
 @pytest.mark.parametrize("kernel", ["explicit", "fused"] + CHUNKED)
 @pytest.mark.parametrize("masking", ["segments", "segments+causal+window+padding"])
 @pytest.mark.parametrize("lengths", [(9, T)])

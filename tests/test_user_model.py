@@ -21,6 +21,41 @@ def test_synthesized_inputs_follow_the_specs():
     np.testing.assert_array_equal(again[1], context)
 
 
+def test_synthesized_mask_inputs_hide_nothing_and_ids_stay_in_their_embeddings():
+    """Mask inputs (bool, or integers named `*mask`) are all ones: the unpadded case.
+    A masked LM's `mask_positions` is no mask. Integer inputs stay below the smallest
+    `input_dim` of the embeddings they reach, also inside a nested functional model
+    (a keras-hub task around its backbone): segment ids below 2, tokens below 10."""
+    tokens = keras.Input((None,), dtype="int32", name="token_ids")
+    segments = keras.Input((None,), dtype="int32", name="segment_ids")
+    embedded = keras.layers.Embedding(50, 4)(tokens) + keras.layers.Embedding(2, 4)(segments)
+    backbone = keras.Model({"token_ids": tokens, "segment_ids": segments}, embedded)
+    inputs = {
+        "token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
+        "segment_ids": keras.Input((None,), dtype="int32", name="segment_ids"),
+        "padding_mask": keras.Input((None,), dtype="int32", name="padding_mask"),
+        "mask_positions": keras.Input((None,), dtype="int32", name="mask_positions"),
+        "flags": keras.Input((None,), dtype="bool", name="flags"),
+    }
+    features = backbone({"token_ids": inputs["token_ids"], "segment_ids": inputs["segment_ids"]})
+    gathered = keras.ops.take_along_axis(
+        features, keras.ops.expand_dims(inputs["mask_positions"], -1), axis=1
+    )
+    model = keras.Model(inputs, gathered)
+    specs = user_model.input_specs(model, "m.keras")
+    names = [name for name, _, _ in specs]
+    bounds = user_model.integer_bounds(model)
+    arrays = dict(zip(names, user_model.synthesize(specs, "m.keras", bounds=bounds)))
+    assert bounds[names.index("segment_ids")] == 2
+    assert bounds[names.index("token_ids")] == 50
+    assert (arrays["segment_ids"] < 2).all() and arrays["token_ids"].max() > 2
+    assert (arrays["padding_mask"] == 1).all() and arrays["flags"].all()
+    assert arrays["mask_positions"].min() >= 1  # drawn as ids, in [1, 10)
+    padded = dict(zip(names, user_model.padded(model, specs, list(arrays.values()))))
+    assert not padded["padding_mask"].all() and not padded["flags"].all()
+    np.testing.assert_array_equal(padded["mask_positions"], arrays["mask_positions"])
+
+
 def test_synthesize_refuses_a_dtype_it_cannot_make():
     with pytest.raises(UsageError, match=r"m.keras: cannot synthesize input 'text' of dtype"):
         user_model.synthesize([("text", (None,), "string")], "m.keras")

@@ -75,7 +75,7 @@ def compare_model(path, imports=(), inputs=None, repeats=None, perturb=0.0, seed
             record["passed"] = False
             return record
         record["builtin_error"] = record["builtin_error"] or result.pop("builtin_error")
-        _judge(result, evidence, path, imports, case_arrays)
+        _judge(result, evidence, path, imports, case_arrays, builtin, ours)
         record["input_cases"][name] = result
         for key in ("max_abs_diff", "grad_max_abs_diff", "grad_scale"):
             values = [v for v in (record[key], result[key]) if v is not None]
@@ -130,9 +130,7 @@ def _compare_on(builtin, ours, feed, rng):
     ours_grads = _weight_gradients(ours, feed, cotangents)
     if reference is not None:
         found["max_abs_diff"] = max(_max_abs_diff(a, b) for a, b in zip(result, reference))
-        builtin_grads = _weight_gradients(builtin, feed, cotangents)
-        if [g.shape for g in ours_grads] != [g.shape for g in builtin_grads]:
-            raise ValueError("the trainable weights of the two models do not pair up")
+        builtin_grads = in_our_layout(builtin, ours, _weight_gradients(builtin, feed, cotangents))
         found["grad_max_abs_diff"] = max(
             (_max_abs_diff(a, b) for a, b in zip(ours_grads, builtin_grads)), default=0.0
         )
@@ -158,12 +156,12 @@ def _case_passed(result):
     return bool(finite and within_tolerance(result) and result["masks_match"] is not False)
 
 
-def _judge(result, evidence, path, imports, arrays):
+def _judge(result, evidence, path, imports, arrays, builtin, ours):
     """Sets the case's `passed` and `classification`: a case that fails only in the
     pattern of a known defect of the built-in (`known.suspect`) is judged against the
-    built-in on the other backends in turn (`workers.run_reference`), and passes,
-    classified, when ours matches one of them and the built-in here does not
-    (`known.classify`)."""
+    built-in on the other backends in turn (`workers.run_reference`, its gradients laid
+    out as ours: `in_our_layout`), and passes, classified, when ours matches one of
+    them and the built-in here does not (`known.classify`)."""
     import keras
 
     from keras_mha.compare import known
@@ -182,11 +180,68 @@ def _judge(result, evidence, path, imports, arrays):
     for other in known.reference_backends(backend, records.installed_backends()):
         result["reference_backend"] = other
         reference = workers.run_reference(other, path, imports, arrays, evidence["cotangents"])
+        if reference is not None:
+            reference["grads"] = in_our_layout(builtin, ours, reference["grads"])
         classification = known.classify(evidence["ours"], evidence["builtin"], reference)
         if classification is not None:
             result["classification"] = classification
             result["passed"] = True
             return
+
+
+def in_our_layout(builtin, ours, grads):
+    """The gradients of `builtin`'s trainable weights (`grads`, in their order) laid
+    out as `ours`'s (its swapped copy), in their order.
+
+    A built-in layer swapped for ours keeps its weights' shapes and order. A keras-hub
+    attention layer moved onto ours (`hub.HubAttention`) lays its weights out as its
+    entry's `weights` says: reshapes, transposes and splits, which map a gradient as
+    they map a weight (`HubAttention.ported`, run here on the gradients). The
+    other weights pair in order.
+
+    Raises:
+        ValueError: The two models' trainable weights do not pair up (naming the
+            first weight that does not).
+    """
+    import keras
+
+    from keras_mha import hub, swapping
+
+    trainable = builtin.trainable_variables
+    by_variable = {id(v): g for v, g in zip(trainable, grads)}
+    moved, hidden = {}, set()
+    for (_, old), (_, new) in zip(
+        swapping.attention_layers(builtin), swapping.attention_layers(ours)
+    ):
+        if not isinstance(new, hub.HubAttention) or isinstance(old, hub.HubAttention):
+            continue
+        hidden.update(id(v) for v in old.weights)
+        saved = [(v, keras.ops.convert_to_numpy(v.value)) for v in old.trainable_weights]
+        try:
+            for v, value in saved:
+                v.assign(by_variable.get(id(v), np.zeros_like(value)))
+            moved.update((id(v), value) for v, value in new.ported(old))
+        finally:
+            for v, value in saved:
+                v.assign(value)
+    rest = iter(g for v, g in zip(trainable, grads) if id(v) not in hidden)
+    laid_out = []
+    for variable in ours.trainable_variables:
+        found = moved.get(id(variable))
+        if found is None:
+            found = next(rest, None)
+        if found is None or tuple(np.shape(found)) != tuple(variable.shape):
+            raise ValueError(
+                "the trainable weights of the two models do not pair up: "
+                f"{variable.path} {tuple(variable.shape)} has no gradient of that shape "
+                f"in the model as it is (next: {None if found is None else np.shape(found)})"
+            )
+        laid_out.append(np.asarray(found))
+    if next(rest, None) is not None:
+        raise ValueError(
+            "the trainable weights of the two models do not pair up: the model as it is has more"
+        )
+    return laid_out
 
 
 def _classifications(input_cases):
@@ -251,7 +306,7 @@ def swap_file(in_path, out_path, imports=(), inputs=None, perturb=0.0, seed=0):
         result, evidence = _compare_on(builtin, ours, feed, rng)
         if result["builtin_error"]:
             raise RuntimeError(f"the model as it is fails: {result['builtin_error']}")
-        _judge(result, evidence, in_path, imports, case_arrays)
+        _judge(result, evidence, in_path, imports, case_arrays, builtin, ours)
         del result["builtin_error"]
         cases[name] = result
     swapping.save_swapped(ours, out_path)
@@ -310,7 +365,7 @@ def _load_pair(path, imports, inputs, seed, which=None):
     model = builtin if builtin is not None else ours
     specs = user_model.input_specs(model, path, required=inputs is None)
     if inputs is None:
-        arrays = user_model.synthesize(specs, path, seed)
+        arrays = user_model.synthesize(specs, path, seed, user_model.integer_bounds(model))
     else:
         arrays = user_model.read(inputs, specs)
         if specs is None:

@@ -137,6 +137,14 @@ class HubAttention(keras.layers.Layer):
 
     def port(self, hub_layer):
         """Sets our layer's weights from `hub_layer` (the keras-hub layer replaced)."""
+        for variable, value in self.ported(hub_layer):
+            variable.assign(value)
+
+    def ported(self, hub_layer):
+        """`[(our variable, value)]`: `hub_layer`'s variables laid out as ours (the
+        entry's `weights`: reshapes, transposes and splits, so a gradient maps the same
+        way: `keras_mha.compare.model` pairs the two models' weight gradients so)."""
+        pairs = []
         for sublayer, values in self.entry.weights(hub_layer).items():
             owner = self.attention if hasattr(self.attention, sublayer) else self
             target = getattr(owner, sublayer)
@@ -154,7 +162,8 @@ class HubAttention(keras.layers.Layer):
                         f"{tuple(variable.shape)}, the keras-hub layer gives "
                         f"{tuple(value.shape)}."
                     )
-                variable.assign(value)
+                pairs.append((variable, value))
+        return pairs
 
     def get_config(self):
         config = {

@@ -423,6 +423,11 @@ class _Inputs:
         self.q, self._key_t, self.v = heads
         self.sink = None if sinks is None else logits_lib.sink_logits(sinks, 4, 1)
         self.query_length = ops.shape(self.q)[2]
+        # Rows of the bias with no key left (`logits.no_key_offset`). A sink keeps a
+        # row's peak finite; a score function may move the bias's logits anywhere.
+        self.row_offset = None
+        if bias is not None and sinks is None and self.mod.score_mod is None:
+            self.row_offset = logits_lib.no_key_offset(bias)
 
     @property
     def key_t(self):
@@ -485,6 +490,8 @@ class _Block:
         if inputs.mod.score_mod is not None:
             before_mod = x
             x = inputs.mod.score_mod(x, *self.indices(keys), tensors=inputs.mod.tensors)
+        if inputs.row_offset is not None:
+            x = x - masks.block_of(inputs.row_offset, self.start, self.size, 0, 1)
         mask = None
         if options.mask is not None:
             mask = options.mask.block(self.start, self.size, self.lo, keys)

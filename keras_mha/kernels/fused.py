@@ -521,7 +521,33 @@ def _torch_attention(query, key, value, *, mask, bias, scale, is_causal):
     dtype = backend.result_type(query.dtype, key.dtype, value.dtype)
     query, key, value = (ops.cast(x, dtype).transpose(1, 2) for x in (query, key, value))
     attn_mask = mask if bias is None else ops.cast(bias, dtype)
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale
-    )
+    with _exact_backward(attn_mask, query, key, value):
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+        )
     return output.transpose(1, 2)
+
+
+def _exact_backward(attn_mask, *tensors):
+    """torch's math kernel where gradients are taken through a float mask with a row
+    left with no key (every entry below `logits.NO_KEY_BIAS`); else torch's choice.
+
+    torch's CPU flash kernel keeps each row's log-sum-exp in float32 for its backward.
+    Where a row's logits are all near -1e9 (T5Gemma's `(1 - mask) * -1e9` on a padded
+    query), the sum's `log(S)` is lost in it, and that row's gradients come out wrong
+    (by 838 in a tiny T5Gemma's weight gradients) while its output is right. The math
+    kernel differentiates the softmax as written, as the other backends do
+    (tests/test_kernels.py::test_bias_row_with_no_key_has_the_explicit_kernels_gradients).
+    """
+    import contextlib
+
+    import torch
+
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if attn_mask is None or attn_mask.dtype == torch.bool or not needs_grad:
+        return contextlib.nullcontext()
+    if not bool((torch.amax(attn_mask, dim=-1) < logits_lib.NO_KEY_BIAS).any()):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)

@@ -19,6 +19,9 @@ from keras import backend, ops
 
 MASKED = -1e9  # the logit of a masked entry, zeroed after the exponential
 NO_KEYS = 1e30  # the logsumexp of a row with no keys: every weight underflows to 0
+# A row of an additive mask (a bias) whose largest entry is below this has no key left
+# in practice (`exp(-1000)` is 0 in float32): keras-hub's T5Gemma puts -1e9 there.
+NO_KEY_BIAS = -1e3
 
 
 def logits(query, key_t):
@@ -99,6 +102,16 @@ def softmax_and_logsumexp(x, mask, axes, sinks=None):
     if mask is None:
         return weights, logsumexp
     return weights, ops.where(ops.greater(peak, MASKED / 2), logsumexp, NO_KEYS)
+
+
+def no_key_offset(bias):
+    """Each row's largest bias where it is below `NO_KEY_BIAS`, else 0: float32,
+    `bias`'s shape with one key. The chunked kernel subtracts it from such a row's
+    logits (all near -1e9): softmax is the same, exactly, since each logit less the
+    row's peak is, while the logsumexp it keeps for the backward stays near 0, where
+    float32 holds the `log(S)` it would lose near -1e9 (the row's gradients wrong)."""
+    peak = ops.max(ops.cast(bias, "float32"), axis=-1, keepdims=True)
+    return ops.where(ops.less(peak, NO_KEY_BIAS), peak, 0.0)
 
 
 def mean_where_empty(output, value, mask):
