@@ -271,7 +271,8 @@ def _compare_model(args, parser):
     layers = next((r["layers"] for r in records if r.get("layers")), None)
     if layers:
         console.print(render_layers(layers))
-        _print_notes(console, layers)
+        model_notes = next((r["model_notes"] for r in records if r.get("model_notes")), ())
+        _print_notes(console, layers, model_notes)
     return _report(console, backends, records, args)
 
 
@@ -299,7 +300,7 @@ def _swap(args):
             perturb=args.perturb,
         )
     console.print(render_layers(result["layers"], title=f"{args.input} -> {args.output}"))
-    _print_notes(console, result["layers"])
+    _print_notes(console, result["layers"], result.get("model_notes") or ())
     shapes = ", ".join(f"{k} {tuple(v)}" for k, v in result["inputs"].items())
     for name, case in result["input_cases"].items():
         diff = (
@@ -324,9 +325,12 @@ def _swap(args):
     return 0 if result["passed"] else 1
 
 
-def _print_notes(console, rows):
+def _print_notes(console, rows, model_notes=()):
     """One line per difference between a moved keras-hub class and ours (its entry's
-    notes in `keras_mha.hub`), once per class."""
+    notes in `keras_mha.hub`), once per class; then one per way the check ran the model
+    other than by its call (`model_notes`)."""
+    for note in model_notes:
+        console.print(f"[cyan]NOTE[/cyan]: {note}", soft_wrap=True)
     seen = set()
     for row in rows:
         for note in row.get("notes") or ():

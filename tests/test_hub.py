@@ -598,24 +598,8 @@ def _inputs(name="llama", seed=0, prompt=None):
     return ZOO[name].inputs(*_tokens(seed, prompt))
 
 
-def _gemma3n_logits(task, inputs):
-    """keras-hub 0.32's `Gemma3nCausalLM` builds its functional graph with the output
-    embedding read at construction (`token_embedding(..., reverse=True)` on a
-    variable's value, a constant of the graph): `task(inputs)` keeps the embedding the
-    task was built with, whatever its weights are now (set, trained, loaded), and a
-    rebuilt task (`from_config`, `load_model`, `swap`) has another. These are the
-    logits of its current weights, as its cached decoding (`call_with_cache`)
-    computes them."""
-    backbone = task.backbone
-    return backbone.language_model.token_embedding(backbone(inputs), reverse=True)
-
-
-# Tasks whose `task(inputs)` are not the logits of their weights: what the checks run.
-FORWARD = {"Gemma3nCausalLM": _gemma3n_logits}
-
-
 class _Forward(keras.Model):
-    """A task trained through its `FORWARD` function."""
+    """A task trained through its `hub.task_forward` function."""
 
     def __init__(self, task, logits_of):
         super().__init__()
@@ -626,17 +610,19 @@ class _Forward(keras.Model):
 
 
 def _trainer(task):
-    forward = FORWARD.get(type(task).__name__)
-    return task if forward is None else _Forward(task, forward)
+    """The task, or where its call is not the function of its weights (keras-hub's
+    Gemma 3n: `keras_mha.hub.task_forward`), a model trained through what is."""
+    forward = hub.task_forward(task)
+    return task if forward is None else _Forward(task, forward[0])
 
 
 def _logits(model, inputs):
     """`model`'s logits, from an eager call (on JAX, its ops compile one by one, and
     the zoo's tiny models share most of them: a compiled `predict_on_batch` per model
     made this file slower in `make test`)."""
-    forward = FORWARD.get(type(model).__name__)
+    forward = hub.task_forward(model)
     if forward is not None:
-        return to_numpy(forward(model, inputs))
+        return to_numpy(forward[0](model, inputs))
     return to_numpy(model(inputs))
 
 
@@ -1517,8 +1503,9 @@ def test_rows_no_key_reaches_get_keras_hubs_outputs(pair):
 # transposed, GPT-NeoX's fused projection split, T5's `Dense` kernels reshaped (a
 # relative-position table beside them; a seq2seq model's two padding masks), Qwen3.5's
 # query kernel split into query and gate, T5Gemma's additive masks (padded decoder
-# queries see no key) and RoFormer's segment ids (a 2-row embedding).
-CLI_MODELS = ["gemma", "gpt_neo_x", "t5", "qwen3_5", "t5gemma", "roformer"]
+# queries see no key), RoFormer's segment ids (a 2-row embedding) and Gemma 3n, whose
+# task is checked through `hub.task_forward` (two loads of its file differ).
+CLI_MODELS = ["gemma", "gpt_neo_x", "t5", "qwen3_5", "t5gemma", "roformer", "gemma3n"]
 
 
 @pytest.mark.parametrize("name", CLI_MODELS)
@@ -1542,3 +1529,7 @@ def test_swap_file_pairs_the_gradients_of_weights_laid_out_anew(name, tmp_path):
     assert result["passed"] is True, result["input_cases"]
     assert result["classification"] is None
     assert perturbed is None or perturbed["passed"] is False
+    # One line says where the check ran the task other than by its call.
+    assert [n.split(":")[0] for n in result["model_notes"]] == (
+        ["Gemma3nCausalLM"] if name == "gemma3n" else []
+    )

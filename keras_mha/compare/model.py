@@ -37,7 +37,9 @@ def compare_model(path, imports=(), inputs=None, repeats=None, perturb=0.0, seed
     Returns:
         A record (the keys of `RECORD_KEYS`, `case` being the model's name; the
         differences the largest over the input cases), plus `inputs` (name ->
-        shape), `layers` (`swapping.swap_report`'s rows) and `input_cases`
+        shape), `layers` (`swapping.swap_report`'s rows), `model_notes`
+        (`_model_notes`: how the check ran the model, where not by its call) and
+        `input_cases`
         ("unpadded" / "padded", or "given" for a file -> that case's differences and
         `passed`); it passes when every input case does.
 
@@ -61,6 +63,7 @@ def compare_model(path, imports=(), inputs=None, repeats=None, perturb=0.0, seed
         tolerance=ATOL,
         inputs={name: list(a.shape) for (name, _, _), a in zip(specs, arrays)},
         layers=rows,
+        model_notes=_model_notes(builtin),
     )
     from keras_mha import user_model
 
@@ -121,11 +124,11 @@ def _compare_on(builtin, ours, feed, rng):
         builtin_error=None,
     )
     try:
-        reference = _flat_outputs(builtin.predict_on_batch(feed))
+        reference = _predict(builtin, feed)
     except Exception as error:
         reference = None
         found["builtin_error"] = _error_text(error)
-    result = _flat_outputs(ours.predict_on_batch(feed))
+    result = _predict(ours, feed)
     cotangents = [rng.standard_normal(o.shape).astype("float32") for o in result]
     ours_grads = _weight_gradients(ours, feed, cotangents)
     if reference is not None:
@@ -259,7 +262,7 @@ def _output_masks(model, feed):
 
     from keras_mha.masks import get_keras_mask
 
-    outputs = keras.tree.flatten(model(feed, training=False))
+    outputs = keras.tree.flatten(_call(model, feed))
     masks = [get_keras_mask(o) for o in outputs]
     return [None if m is None else np.asarray(keras.ops.convert_to_numpy(m)) for m in masks]
 
@@ -285,7 +288,8 @@ def swap_file(in_path, out_path, imports=(), inputs=None, perturb=0.0, seed=0):
         A dict: `backend`, `model`, `layers` (`swapping.swap_report`'s rows),
         `inputs` (name -> shape), `max_abs_diff`, `grad_max_abs_diff` (largest over
         the cases), `input_cases` (name -> its differences and `passed`),
-        `tolerance`, `passed`, `out`.
+        `tolerance`, `passed`, `classification`, `model_notes` (`_model_notes`),
+        `out`.
 
     Raises:
         user_model.UsageError: The files, a module or the inputs cannot be used;
@@ -321,6 +325,7 @@ def swap_file(in_path, out_path, imports=(), inputs=None, perturb=0.0, seed=0):
         "tolerance": ATOL,
         "passed": all(case["passed"] for case in cases.values()),
         "classification": _classifications(cases),
+        "model_notes": _model_notes(builtin),
         "out": out_path,
     }
 
@@ -349,7 +354,7 @@ def builtin_reference(path, imports, arrays, cotangents):
     user_model.import_modules(imports)
     builtin = user_model.load(path)
     feed = user_model.model_inputs(builtin, list(arrays))
-    outputs = _flat_outputs(builtin.predict_on_batch(feed))
+    outputs = _predict(builtin, feed)
     return {"outputs": outputs, "grads": _weight_gradients(builtin, feed, list(cotangents))}
 
 
@@ -409,6 +414,43 @@ def _perturb(model, scale, rng):
     )
 
 
+def _model_notes(model):
+    """One line per way the check runs the model other than by its call: `[]`, or
+    `hub.task_forward`'s note, the task's class named."""
+    from keras_mha import hub
+
+    forward = hub.task_forward(model)
+    return [] if forward is None else [f"{type(model).__name__}: {forward[1]}"]
+
+
+def _call(model, inputs):
+    """The model's outputs on `inputs`, inference mode, eagerly: its call, or for a
+    keras-hub task whose call is not the function of its weights, what
+    `hub.task_forward` runs in its place."""
+    from keras_mha import hub
+
+    forward = hub.task_forward(model)
+    if forward is None:
+        return model(inputs, training=False)
+    return forward[0](model, inputs)
+
+
+def _predict(model, feed):
+    """`predict_on_batch`'s outputs, flat NumPy (`_call`'s, eagerly, where
+    `hub.task_forward` names the model)."""
+    from keras_mha import hub
+
+    if hub.task_forward(model) is None:
+        return _flat_outputs(model.predict_on_batch(feed))
+    return _flat_outputs(_numpy(_call(model, feed)))
+
+
+def _numpy(outputs):
+    import keras
+
+    return keras.tree.map_structure(keras.ops.convert_to_numpy, outputs)
+
+
 def _flat_outputs(outputs):
     import keras
 
@@ -429,13 +471,15 @@ def _weight_gradients(model, inputs, cotangents):
         ]
         return sum(terms[1:], terms[0])
 
+    from keras_mha import hub
+
     variables = model.trainable_variables
     backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
         with tf.GradientTape() as tape:
-            loss = loss_of(model(inputs, training=False))
+            loss = loss_of(_call(model, inputs))
         grads = tape.gradient(loss, [v.value for v in variables])
         # An embedding's gradient is `IndexedSlices`: made dense here.
         return [
@@ -448,7 +492,13 @@ def _weight_gradients(model, inputs, cotangents):
         non_trainable = [v.value for v in model.non_trainable_variables]
 
         def objective(trainable, inputs, cotangents):
-            outputs, _ = model.stateless_call(trainable, non_trainable, inputs, training=False)
+            if hub.task_forward(model) is None:
+                outputs, _ = model.stateless_call(trainable, non_trainable, inputs, training=False)
+            else:
+                mapping = [*zip(variables, trainable)]
+                mapping += zip(model.non_trainable_variables, non_trainable)
+                with keras.StatelessScope(state_mapping=mapping):
+                    outputs = _call(model, inputs)
             return loss_of(outputs, cotangents)
 
         # Compiled: one program per model and input shape (the padded case reuses it)
@@ -465,7 +515,7 @@ def _weight_gradients(model, inputs, cotangents):
     if backend == "torch":
         for v in variables:
             v.value.grad = None
-        loss_of(model(inputs, training=False)).backward()
+        loss_of(_call(model, inputs)).backward()
         grads = [
             np.zeros(v.shape, "float32")
             if v.value.grad is None

@@ -7,6 +7,8 @@
   one of those classes constructs a `HubAttention` for it.
 - `carry_config_gaps(original, result)`: what a keras-hub class's `get_config` drops
   (`table.CONFIG_GAPS`), from a layer to its rebuilt copy.
+- `task_forward(model)`: what a check calls in place of a keras-hub task whose call is
+  not the function of its weights (`table.TASK_FORWARD`: Gemma 3n's causal LM).
 - `describe_masks(model)`: the decoder blocks of a swapped model pass their masks to
   our layer described, not dense (`swap` and `save_swapped` files do it).
 """
@@ -18,7 +20,7 @@ import sys
 
 from keras_mha.hub import common
 from keras_mha.hub.adapter import HubAttention, adapter_class, constructor_arguments
-from keras_mha.hub.table import ADAPTERS, CONFIG_GAPS, OUT_OF_SCOPE
+from keras_mha.hub.table import ADAPTERS, CONFIG_GAPS, OUT_OF_SCOPE, TASK_FORWARD
 
 __all__ = [
     "ADAPTERS",
@@ -32,6 +34,7 @@ __all__ = [
     "out_of_scope",
     "patch",
     "set_packed",
+    "task_forward",
     "unpatch",
 ]
 
@@ -63,6 +66,14 @@ def out_of_scope(layer):
     """Why `layer`'s keras-hub attention class does not move (`OUT_OF_SCOPE`), or `None`."""
     key = hub_classes(OUT_OF_SCOPE).get(type(layer))
     return None if key is None else OUT_OF_SCOPE[key]
+
+
+def task_forward(model):
+    """`(fn, note)` for a keras-hub task whose call is not the function of its weights
+    (`TASK_FORWARD`): `fn(model, inputs)` computes its outputs from its current
+    weights, `note` says so in one line; `None` for any other model."""
+    key = hub_classes(TASK_FORWARD).get(type(model))
+    return None if key is None else TASK_FORWARD[key]
 
 
 def carry_config_gaps(original, result):

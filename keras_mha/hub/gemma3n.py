@@ -138,3 +138,26 @@ ADAPTERS = {
         with_layer=True,
     ),
 }
+
+
+def _logits_of_weights(task, inputs):
+    """keras-hub 0.32's `Gemma3nCausalLM` builds its functional graph with its output
+    embedding read at construction (`token_embedding(..., reverse=True)` on a
+    variable's value, a constant of the graph on tensorflow and jax): `task(inputs)`
+    keeps the embedding the task was built with, whatever its weights are now (set,
+    trained, loaded), and a reloaded task has another. These are the logits of its
+    current weights, as its cached decoding (`call_with_cache`) computes them."""
+    backbone = task.backbone
+    return backbone.language_model.token_embedding(backbone(inputs), reverse=True)
+
+
+# keras-hub tasks whose call is not the function of their weights: what a check of the
+# task runs instead (`keras_mha.hub.task_forward`), and the line that says so.
+TASK_FORWARD = {
+    "keras_hub.src.models.gemma3n.gemma3n_causal_lm.Gemma3nCausalLM": (
+        _logits_of_weights,
+        "compared through the logits of its current weights (its backbone, then the "
+        "output embedding): keras-hub's task reads its output embedding at "
+        "construction, so two loads of one file differ (docs/guide/guarantees.md)",
+    ),
+}

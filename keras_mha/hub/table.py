@@ -6,7 +6,10 @@ class's constructor arguments mapped to our layer's, its call to ours, its weigh
 ours. None knows the others, and none imports keras-hub at import time (keys are
 strings). A family's `CONFIG_GAPS`, `{"module.ClassName": (attribute, ...)}`, names what
 a keras-hub class's `get_config` drops, which a swap (a rebuild from the config) carries
-from the original instance. `OUT_OF_SCOPE` names the attention classes of keras-hub's language-model
+from the original instance. A family's `TASK_FORWARD`, `{"module.TaskName": (fn, note)}`,
+names a keras-hub task whose call is not the function of its weights, what runs in its
+place when a check calls it (`fn(task, inputs)`), and the line that says so.
+`OUT_OF_SCOPE` names the attention classes of keras-hub's language-model
 packages that are not moved, each with the reason (tests/test_hub.py's guard).
 """
 
@@ -38,8 +41,10 @@ FAMILIES = (
 ADAPTERS = {}
 CONFIG_GAPS = {}
 OUT_OF_SCOPE = {}
+TASK_FORWARD = {}
 for _family in FAMILIES:
     _module = importlib.import_module(f"keras_mha.hub.{_family}")
     ADAPTERS.update(_module.ADAPTERS)
     CONFIG_GAPS.update(getattr(_module, "CONFIG_GAPS", {}))
     OUT_OF_SCOPE.update(getattr(_module, "OUT_OF_SCOPE", {}))
+    TASK_FORWARD.update(getattr(_module, "TASK_FORWARD", {}))
