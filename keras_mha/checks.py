@@ -14,6 +14,7 @@ Two rules hold throughout:
 
 import math
 import numbers
+import sys
 
 import numpy as np
 
@@ -285,10 +286,35 @@ def scores_shape(query_shape, value_shape, axes, num_heads):
     )
 
 
+# What `call_arguments` reads of a call: the arguments of these names, and of each
+# only its type, shape and dtype (and the layer's settings). Calls that passed, by
+# those: the same again passes unchecked (a small model's eager call repeats the
+# same shapes, and the checks' Python was a few percent of its predict on torch).
+_READS = (
+    "query",
+    "value",
+    "key",
+    "cache",
+    "shared_key_value",
+    "segment_ids",
+    "key_segment_ids",
+    "positions",
+    "key_positions",
+    "attention_bias",
+    "query_mask",
+    "value_mask",
+    "key_mask",
+    "attention_mask",
+)
+_PASSED = set()
+_PASSED_LIMIT = 4096
+
+
 def call_arguments(arguments, axes, num_heads, rotates=False, position_streams=None):
     """A call's inputs and masks, checked before Keras converts them to tensors (a
     string mask would fail there, naming nothing) or builds the layer, so a rejected
     call leaves no weights behind. (Its flags are checked by `flag` as they come.)
+    A call like one that passed (`_READS`) is not checked again.
 
     Args:
         arguments: the call's arguments by name (`inspect.BoundArguments.arguments`).
@@ -298,6 +324,40 @@ def call_arguments(arguments, axes, num_heads, rotates=False, position_streams=N
         position_streams: `None`, or M-RoPE's number of position streams `P`:
             `positions` may then also be `(B, P, T)`.
     """
+    passed = _passed_key(arguments, axes, num_heads, rotates, position_streams)
+    if passed is not None and passed in _PASSED:
+        return
+    _call_arguments(arguments, axes, num_heads, rotates, position_streams)
+    if passed is not None:
+        if len(_PASSED) >= _PASSED_LIMIT:
+            _PASSED.clear()
+        _PASSED.add(passed)
+
+
+def _passed_key(arguments, axes, num_heads, rotates, position_streams):
+    """What `call_arguments` reads of a call, hashable; `None` where it is not (a
+    symbolic size torch.export traces) or while torch's compiler traces the call."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.compiler.is_compiling():
+        return None
+    parts = []
+    try:
+        for name in _READS:
+            value = arguments.get(name)
+            if value is not None:
+                shape = tuple(value.shape) if hasattr(value, "shape") else None
+                value = (type(value), shape, str(getattr(value, "dtype", None)))
+            parts.append(value)
+        if axes is not None and not isinstance(axes, int):
+            axes = tuple(axes)
+        key = (tuple(parts), axes, num_heads, rotates, position_streams)
+        hash(key)
+    except (TypeError, ValueError):  # a shape of unknown rank, a symbolic size
+        return None
+    return key
+
+
+def _call_arguments(arguments, axes, num_heads, rotates, position_streams):
     query, value, key = (arguments.get(name) for name in ("query", "value", "key"))
     if not all(hasattr(x, "shape") for x in (query, value) + ((key,) if key is not None else ())):
         return

@@ -210,6 +210,28 @@ def test_a_ragged_list_mask_is_rejected_by_name(rng):
     assert not layer.built
 
 
+def test_a_call_like_one_that_passed_skips_only_the_same_checks(rng):
+    """`call_arguments` does not check again a call like one that passed, by what it
+    reads: each argument's type, shape and dtype, and the layer's settings. A mask
+    that another layer's heads took, another dtype, another shape: each is checked."""
+    q, v = random_inputs(rng, (B, T, DIM), (B, S, DIM))
+    heads_mask = np.ones((B, 2, T, S), bool)
+    two = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4)
+    for _ in range(2):
+        two(q, v, attention_mask=heads_mask)
+    four = keras_mha.MultiHeadAttention(num_heads=4, key_dim=4)
+    with pytest.raises(ValueError, match=r"argument `attention_mask`.*\(2, 4, 5, 6\)"):
+        four(q, v, attention_mask=heads_mask)
+    assert not four.built
+    with pytest.raises(ValueError, match=r"argument `attention_mask`, expected a boolean"):
+        two(q, v, attention_mask=heads_mask.astype(str))
+    with pytest.raises(ValueError, match=r"argument `query_mask`"):
+        two(q, v, query_mask=np.ones((B, T + 1), bool))
+    two(q, v, query_mask=np.ones((B, T), bool))
+    with pytest.raises(ValueError, match=r"argument `query_mask`"):
+        two(q, v, query_mask=np.ones((B, T + 1), bool))
+
+
 # ------------------------------------------------------------------------- wording
 @pytest.mark.parametrize(
     "kwargs, keras_words, name",
