@@ -286,26 +286,10 @@ def scores_shape(query_shape, value_shape, axes, num_heads):
     )
 
 
-# What `call_arguments` reads of a call: the arguments of these names, and of each
-# only its type, shape and dtype (and the layer's settings). Calls that passed, by
-# those: the same again passes unchecked (a small model's eager call repeats the
-# same shapes, and the checks' Python was a few percent of its predict on torch).
-_READS = (
-    "query",
-    "value",
-    "key",
-    "cache",
-    "shared_key_value",
-    "segment_ids",
-    "key_segment_ids",
-    "positions",
-    "key_positions",
-    "attention_bias",
-    "query_mask",
-    "value_mask",
-    "key_mask",
-    "attention_mask",
-)
+# Calls that passed `call_arguments`, by what it can read of them: each argument's
+# name, type, shape and dtype, and the layer's settings. The same again passes
+# unchecked (a small model's eager call repeats the same shapes, and the checks'
+# Python was a few percent of its predict on torch).
 _PASSED = set()
 _PASSED_LIMIT = 4096
 
@@ -314,7 +298,7 @@ def call_arguments(arguments, axes, num_heads, rotates=False, position_streams=N
     """A call's inputs and masks, checked before Keras converts them to tensors (a
     string mask would fail there, naming nothing) or builds the layer, so a rejected
     call leaves no weights behind. (Its flags are checked by `flag` as they come.)
-    A call like one that passed (`_READS`) is not checked again.
+    A call like one that passed (`_passed_key`) is not checked again.
 
     Args:
         arguments: the call's arguments by name (`inspect.BoundArguments.arguments`).
@@ -342,12 +326,9 @@ def _passed_key(arguments, axes, num_heads, rotates, position_streams):
         return None
     parts = []
     try:
-        for name in _READS:
-            value = arguments.get(name)
-            if value is not None:
-                shape = tuple(value.shape) if hasattr(value, "shape") else None
-                value = (type(value), shape, str(getattr(value, "dtype", None)))
-            parts.append(value)
+        for name, value in arguments.items():
+            shape = tuple(value.shape) if hasattr(value, "shape") else None
+            parts.append((name, type(value), shape, str(getattr(value, "dtype", None))))
         if axes is not None and not isinstance(axes, int):
             axes = tuple(axes)
         key = (tuple(parts), axes, num_heads, rotates, position_streams)
