@@ -63,6 +63,9 @@ def attention(
         output = _by_documents(run, query, key, value, mask, runs)
     elif (rows := _causal_from(query, key, mask, bias)) is not None:
         output = _with_causal_rows(run, query, key, value, mask, rows, chunk_size)
+    elif mean:  # the mean where each chunk's kernel output would be zeroed
+        run = _Kernel(scale, flash, fill=logits_lib.values_mean(value, query.dtype))
+        return ops.cast(_by_chunks(run, query, key, value, mask, bias, chunk_size), dtype)
     else:
         output = _by_chunks(run, query, key, value, mask, bias, chunk_size)
     output = ops.cast(output, dtype)
@@ -348,7 +351,7 @@ def _by_chunks(run, query, key, value, mask, bias, chunk_size):
     for start, size, runs in chunks:
         chunk_queries = next(queries)
         if runs is None:
-            outputs.append(_zero_rows(query, value, size))
+            outputs.append(run.empty(query, value, size))
             continue
         block = _joined([mask.block(start, size, a, b - a) for a, b in runs], runs, size)
         kernel_mask, valid = _unmask_empty_rows(block)
@@ -480,10 +483,16 @@ def _concat(parts):
 
 
 class _Kernel:
-    """One call of the backend's kernel; zeroes the rows `valid` marks False."""
+    """One call of the backend's kernel; zeroes the rows `valid` marks False, or gives
+    them `fill` (`(B, 1, N, Hv)`, the values' mean: `empty_rows="mean"`)."""
 
-    def __init__(self, scale, flash):
-        self.scale, self.flash = scale, flash
+    def __init__(self, scale, flash, fill=None):
+        self.scale, self.flash, self.fill = scale, flash, fill
+
+    def empty(self, query, value, length):
+        """The output rows `(B, length, N, Hv)` of queries that see no key."""
+        rows = _zero_rows(query, value, length)
+        return rows if self.fill is None else ops.broadcast_to(self.fill, ops.shape(rows))
 
     def __call__(self, query, key, value, mask, valid, is_causal, bias):
         if bias is not None and mask is not None:  # the kernels take one of them
@@ -505,7 +514,8 @@ class _Kernel:
                 flash_attention=self.flash,
             )
         if valid is not None:
-            output = ops.where(ops.transpose(valid, (0, 2, 1, 3)), output, 0.0)
+            fill = 0.0 if self.fill is None else self.fill
+            output = ops.where(ops.transpose(valid, (0, 2, 1, 3)), output, fill)
         return output
 
 
