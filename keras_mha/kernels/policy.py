@@ -227,6 +227,9 @@ POLICIES = {
 }
 
 
+# A backend with no row of its own.
+_UNLISTED = Policy("explicit")
+
 _OVERRIDE = contextvars.ContextVar("keras_mha_policy_override", default=None)
 # How many `overriding` blocks are open, in any thread: while none is, `current` reads
 # no context variable, which `torch.compile` cannot trace (each read split the graph).
@@ -240,7 +243,8 @@ def current():
     if overridden is not None:
         return overridden
     name = backend.backend()
-    return POLICIES.get((name, _device(name)), POLICIES.get((name, "cpu"), Policy("explicit")))
+    found = POLICIES.get((name, _device(name))) or POLICIES.get((name, "cpu"))
+    return _UNLISTED if found is None else found
 
 
 @contextlib.contextmanager
