@@ -51,8 +51,11 @@ def attention(
         query, key, value = (ops.cast(x, "float32") for x in (query, key, value))
     run = _Kernel(scale, flash)
     mean = empty_rows == "mean" and mask is not None
+    # Where the kernel runs whole or by chunks, the rows it would zero get the mean:
+    # one `where`, not `mean_where_empty` after it.
+    filled = _Kernel(scale, flash, mean_of=value)
     if mean and bias is None and _takes_whole(mask, bias):
-        return ops.cast(_whole_with_mean(run, query, key, value, mask), dtype)
+        return ops.cast(filled(query, key, value, *_whole_mask(mask), None), dtype)
     if _has_tail(query, key, mask, bias):
         output = _causal_with_tail(run, query, key, value)
     elif _takes_whole(mask, bias):
@@ -63,25 +66,12 @@ def attention(
         output = _by_documents(run, query, key, value, mask, runs)
     elif (rows := _causal_from(query, key, mask, bias)) is not None:
         output = _with_causal_rows(run, query, key, value, mask, rows, chunk_size)
-    elif mean:  # the mean where each chunk's kernel output would be zeroed
-        run = _Kernel(scale, flash, fill=logits_lib.values_mean(value, query.dtype))
-        return ops.cast(_by_chunks(run, query, key, value, mask, bias, chunk_size), dtype)
+    elif mean:
+        return ops.cast(_by_chunks(filled, query, key, value, mask, bias, chunk_size), dtype)
     else:
         output = _by_chunks(run, query, key, value, mask, bias, chunk_size)
     output = ops.cast(output, dtype)
     return logits_lib.mean_where_empty(output, value, mask) if mean else output
-
-
-def _whole_with_mean(run, query, key, value, mask):
-    """The kernel once, whole (a mask `_takes_whole`), each row with no visible key,
-    padded queries included, then given the mean of the values where the kernel's
-    output would be zeroed: one `where` instead of `mean_where_empty`."""
-    kernel_mask, valid, is_causal = _whole_mask(mask)
-    output = run(query, key, value, kernel_mask, None, is_causal, None)
-    if valid is None:
-        return output
-    valid = ops.transpose(valid, (0, 2, 1, 3))  # (B, T or 1, 1, 1)
-    return ops.where(valid, output, logits_lib.values_mean(value, output.dtype))
 
 
 def _takes_whole(mask, bias):
@@ -483,16 +473,27 @@ def _concat(parts):
 
 
 class _Kernel:
-    """One call of the backend's kernel; zeroes the rows `valid` marks False, or gives
-    them `fill` (`(B, 1, N, Hv)`, the values' mean: `empty_rows="mean"`)."""
+    """One call of the backend's kernel; the rows `valid` marks False get zeros, or with
+    `mean_of` (the call's values `(B, S, N, Hv)`: `empty_rows="mean"`) the mean of those
+    values, computed where first needed, once."""
 
-    def __init__(self, scale, flash, fill=None):
-        self.scale, self.flash, self.fill = scale, flash, fill
+    def __init__(self, scale, flash, mean_of=None):
+        self.scale, self.flash, self._mean_of, self._mean = scale, flash, mean_of, None
+
+    def _fill(self, dtype):
+        if self._mean_of is None:
+            return 0.0
+        if self._mean is None:
+            self._mean = logits_lib.values_mean(self._mean_of, dtype)
+        return self._mean
 
     def empty(self, query, value, length):
         """The output rows `(B, length, N, Hv)` of queries that see no key."""
-        rows = _zero_rows(query, value, length)
-        return rows if self.fill is None else ops.broadcast_to(self.fill, ops.shape(rows))
+        if self._mean_of is None:
+            return _zero_rows(query, value, length)
+        shape = ops.shape(query)
+        rows = (shape[0], length, shape[2], ops.shape(value)[3])
+        return ops.broadcast_to(self._fill(query.dtype), rows)
 
     def __call__(self, query, key, value, mask, valid, is_causal, bias):
         if bias is not None and mask is not None:  # the kernels take one of them
@@ -514,8 +515,8 @@ class _Kernel:
                 flash_attention=self.flash,
             )
         if valid is not None:
-            fill = 0.0 if self.fill is None else self.fill
-            output = ops.where(ops.transpose(valid, (0, 2, 1, 3)), output, fill)
+            valid = ops.transpose(valid, (0, 2, 1, 3))  # (B, T or 1, N or 1, 1)
+            output = ops.where(valid, output, self._fill(output.dtype))
         return output
 
 
