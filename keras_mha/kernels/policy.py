@@ -243,8 +243,8 @@ def current():
     if overridden is not None:
         return overridden
     name = backend.backend()
-    found = POLICIES.get((name, _device(name))) or POLICIES.get((name, "cpu"))
-    return _UNLISTED if found is None else found
+    found = POLICIES.get((name, _device(name)))
+    return POLICIES.get((name, "cpu"), _UNLISTED) if found is None else found
 
 
 @contextlib.contextmanager
