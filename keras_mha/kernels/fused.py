@@ -53,7 +53,7 @@ def attention(
     mean = empty_rows == "mean" and mask is not None
     # Where the kernel runs whole or by chunks, the rows it would zero get the mean:
     # one `where`, not `mean_where_empty` after it.
-    filled = _Kernel(scale, flash, mean_of=value)
+    filled = _Kernel(scale, flash, mean_of=value) if mean else None
     if mean and bias is None and _takes_whole(mask, bias):
         return ops.cast(filled(query, key, value, *_whole_mask(mask), None), dtype)
     if _has_tail(query, key, mask, bias):
