@@ -1230,6 +1230,116 @@ _POLICY_STEPS = {}
 
 
 # ------------------------------------------------------------------------- policy
+def _shifted(mask):
+    """`mask` with each of its arrays rolled by one key or query: the same shapes and
+    dtypes, other data."""
+    fields = {
+        f.name: np.roll(getattr(mask, f.name), 1, axis=-1)
+        for f in dataclasses.fields(mask)
+        if isinstance(getattr(mask, f.name), np.ndarray)
+    }
+    return dataclasses.replace(mask, **fields)
+
+
+def _eager_chunked(monkeypatch, rng, mask, **options):
+    """Two eager calls through `kernels.attention` that land on the chunked kernel
+    (key blocks of 4), the same shapes, other data; `(outputs, explicit outputs, how
+    many times the kernel was traced to be compiled)`. Each call reaches
+    `chunked.attention`."""
+    calls, traces = [], []
+    attention, kernel = chunked.attention, chunked._attention
+    monkeypatch.setattr(chunked, "attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
+    monkeypatch.setattr(chunked, "_attention", lambda *a, **k: traces.append(1) or kernel(*a, **k))
+    got, want = [], []
+    for m in [mask, None if mask is None else _shifted(mask)]:
+        q, k, v = _inputs(rng)
+        kwargs = dict(scale=H**-0.5, mask=_tensorize(m), **options)
+        with kernels.policy.overriding(key_block=4):
+            out, _ = kernels.attention(
+                q, k, v, equations=EQUATIONS, implementation="chunked", chunk_size=4, **kwargs
+            )
+        got.append(to_numpy(out))
+        want.append(to_numpy(explicit.attention(q, k, v, equations=EQUATIONS, **kwargs)[0]))
+    assert len(calls) == 2
+    return got, want, len(traces)
+
+
+def _traces_expected():
+    """How many traces two eager calls of one configuration make: one where the
+    policy compiles eager chunks (JAX), none elsewhere (they run as they are)."""
+    return 1 if kernels.policy.current().compile_eager_chunks else 0
+
+
+@pytest.mark.parametrize("masking", list(MASKS))
+def test_eager_chunked_calls_compile_once_where_the_policy_says(rng, monkeypatch, masking):
+    """Eager calls of the chunked kernel (through `kernels.attention`), twice with the
+    same shapes and other data, every mask kind: each output is the explicit kernel's,
+    so the mask's tensors are the compiled program's arguments, not constants kept from
+    its first call. Where the policy compiles eager chunks (JAX: `compiled.py`), the
+    kernel is traced once for both calls; elsewhere each runs as it is."""
+    got, want, traces = _eager_chunked(monkeypatch, rng, MASKS[masking](T, T))
+    for out, expected in zip(got, want):
+        np.testing.assert_allclose(out, expected, atol=ATOL)
+    assert traces == _traces_expected()
+
+
+def test_eager_chunked_calls_with_a_bias_sinks_and_a_tensor_offset_compile_once(rng, monkeypatch):
+    """The bias, the sinks and a tensor offset are the compiled program's arguments too."""
+    mask = masks.AttentionMask(
+        causal=True, offset=ops.convert_to_tensor(2), key_valid=_padding(T, 9)
+    )
+    bias = ops.convert_to_tensor(rng.standard_normal((B, 1, T, T)).astype("float32"))
+    sinks = ops.convert_to_tensor(rng.standard_normal((N,)).astype("float32"))
+    got, want, traces = _eager_chunked(monkeypatch, rng, mask, bias=bias, sinks=sinks, soft_cap=5.0)
+    for out, expected in zip(got, want):
+        np.testing.assert_allclose(out, expected, atol=ATOL)
+    assert traces == _traces_expected()
+
+
+def test_eager_chunked_calls_with_a_block_mask_compile_once(rng, monkeypatch):
+    """A block mask's function is compiled with the kernel (its map is static), beside
+    key padding whose data changes between the calls."""
+
+    def global_sliding(b, h, q, k):  # keys near the query, and the first two
+        return ops.logical_or(ops.less(ops.abs(q - k), 2), ops.less(k, 2))
+
+    built = block_mask.create_block_mask(global_sliding, None, None, T, T, 3)
+    mask = masks.AttentionMask(block_mask=built, key_valid=_padding(T, 9))
+    got, want, traces = _eager_chunked(monkeypatch, rng, mask)
+    for out, expected in zip(got, want):
+        np.testing.assert_allclose(out, expected, atol=ATOL)
+    assert traces == _traces_expected()
+
+
+def test_eager_chunked_calls_with_a_score_function_run_each_time(rng, monkeypatch):
+    """A score function may read a tensor it closes over, whose value can change
+    between calls: such calls are not compiled once, and each sees the value of now."""
+    from keras_mha import score_mod
+
+    traces, kernel = [], chunked._attention
+    monkeypatch.setattr(chunked, "_attention", lambda *a, **k: traces.append(1) or kernel(*a, **k))
+    state = {}
+
+    def fn(score, b, h, q_idx, kv_idx):  # reads the tensor of now: forward only
+        return score + ops.take(state["shift"], h) * ops.cast(kv_idx, "float32")
+
+    kwargs = dict(scale=H**-0.5, mask=_tensorize(MASKS["causal+padding"](T, T)))
+    kwargs["score_mod"] = score_mod.ScoreMod(fn)
+    q, k, v = _inputs(rng)
+    outputs = []
+    for value in (0.0, 0.5):
+        state["shift"] = ops.convert_to_tensor(np.full((N,), value, "float32"))
+        with kernels.policy.overriding(key_block=4):
+            out, _ = kernels.attention(
+                q, k, v, equations=EQUATIONS, implementation="chunked", chunk_size=4, **kwargs
+            )
+        expected, _ = explicit.attention(q, k, v, equations=EQUATIONS, **kwargs)
+        np.testing.assert_allclose(to_numpy(out), to_numpy(expected), atol=ATOL)
+        outputs.append(to_numpy(out))
+    assert not np.allclose(outputs[0], outputs[1])
+    assert traces == []
+
+
 def test_policy_choose():
     rules = kernels.policy.Policy("fused")
     choose, call = kernels.policy.choose, kernels.policy.Call

@@ -18,7 +18,8 @@ it, except on torch's CUDA kernels: `fused_gives_mean`), whichever kernel runs: 
 explicit kernel and the fused one taking a mask whole in their softmax, the others by
 `mean_where_empty` after the kernel. Where the
 masks hold data (eager calls), padded tails are cut off before any kernel runs
-(`trim.py`).
+(`trim.py`). Where the policy says so (JAX), an eager call of the chunked kernel runs
+one compiled program per configuration (`compiled.py`).
 """
 
 from keras import backend
@@ -185,6 +186,7 @@ def attention(
         differentiable=rules.trains,
         in_place_sums=rules.in_place_sums,
         skip_zero_gradients=rules.skip_zero_gradient_chunks and dynamic,
+        compile_eager=rules.compile_eager_chunks,
     )
     if empty_rows == "mean" and mask is not None:
         output = logits_lib.mean_where_empty(output, value, mask)

@@ -40,8 +40,8 @@ import numpy as np
 from keras import backend, ops
 
 from keras_mha import masks
+from keras_mha.kernels import compiled, trim
 from keras_mha.kernels import logits as logits_lib
-from keras_mha.kernels import trim
 
 
 def attention(
@@ -67,6 +67,7 @@ def attention(
     differentiable=True,
     in_place_sums=False,
     skip_zero_gradients=False,
+    compile_eager=False,
 ):
     """Returns the output `(B, T, N, Hv)` in the value's dtype.
 
@@ -100,7 +101,13 @@ def attention(
             gradients in place into one buffer (torch: `Policy.in_place_sums`).
         skip_zero_gradients: a loop's backward visits no key for a chunk whose
             output's gradient is all zero (`Policy.skip_zero_gradient_chunks`).
+        compile_eager: an eager call without a score function runs one compiled
+            program per configuration (`compiled.py`:
+            `Policy.compile_eager_chunks`).
     """
+    if compile_eager and compiled.applies(query, score_mod):
+        options = {name: v for name, v in locals().items() if name not in _NOT_OPTIONS}
+        return compiled.attention(_attention, query, key, value, **options)
     if dynamic and backend.backend() == "jax":
         raise ValueError("The chunked kernel's dynamic loop needs dynamic shapes; JAX has none.")
 
@@ -148,6 +155,11 @@ def attention(
         return _from_heads(output, value.dtype), grad
 
     return run(*tensors)
+
+
+# The kernel as defined here, for `compiled.py` to trace (a spy on `attention` counts calls).
+_attention = attention
+_NOT_OPTIONS = ("query", "key", "value", "compile_eager")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,6 +142,10 @@ class Policy:
             all the padding it could cut; a causal call always looks, since a cut
             can turn its padding into a plain causal call
             (benchmarks/results/small_torch_cut.md).
+        compile_eager_chunks: an eager call of the chunked kernel runs through one
+            compiled program per configuration (`compiled.py`). JAX's compiled loop
+            traces and compiles its body again on every eager call
+            (benchmarks/results/jax_eager_chunk_loop.md).
     """
 
     kernel: str
@@ -166,6 +170,7 @@ class Policy:
     skip_zero_gradient_tail: bool = False
     skip_zero_gradient_chunks: bool = False
     remat_norms: bool = False
+    compile_eager_chunks: bool = False
     cut_from: int = 0
 
 
@@ -193,6 +198,7 @@ POLICIES = {
         loop=True,
         sizes_from_data=False,
         remat_norms=True,
+        compile_eager_chunks=True,
     ),
     ("jax", "gpu"): Policy(
         "fused",
@@ -202,6 +208,7 @@ POLICIES = {
         fused_key_padding=False,
         fold_key_padding=("bfloat16", "float16"),
         sizes_from_data=False,
+        compile_eager_chunks=True,
     ),
     ("torch", "cpu"): Policy(
         "fused",
