@@ -27,8 +27,9 @@ given explicitly, `ScoreMod(fn, tensors)`, and come to `fn` as extra arguments,
 `fn(score, b, h, q_idx, kv_idx, *tensors)`: the chunked kernel's backward is a custom
 gradient, which on JAX cannot close over traced values, so it takes them as inputs and
 returns their gradients (summed over its blocks). A function that closes over a tensor
-instead still runs forward, but no gradient reaches that tensor through the chunked
-kernel.
+instead still runs forward, but trains through the explicit kernel only: through the
+chunked one no gradient reaches that tensor (TensorFlow, torch), or the train step fails
+(JAX).
 
 The named score functions below are attention-gym's score patterns, written anew from
 their published definitions. The fused kernels take no score function: a call with one

@@ -351,6 +351,36 @@ def test_a_plain_function_is_a_score_function():
     assert np.abs(plain - to_numpy(keras_mha.attention(q, k, v))).max() > 1e-3
 
 
+@pytest.mark.parametrize("implementation", ["explicit", "chunked"])
+def test_a_function_closing_over_a_variable_runs_forward(implementation):
+    """A score function that reads a `keras.Variable` it closes over, not named in
+    `ScoreMod(fn, tensors)`, gives the output of the same function taking it as a named
+    tensor, eagerly and in a traced model. TensorFlow tells a custom gradient which
+    variables its forward read: the chunked kernel's took no such argument, and failed."""
+    q, k, v, _ = _arrays(7, 9, seed=7)
+    shift = keras.Variable(np.linspace(0.5, 2.0, N).astype("float32"))
+
+    def named(score, b, h, q_idx, kv_idx, shift):
+        return score + ops.take(shift, h) * ops.cast(kv_idx - q_idx, "float32")
+
+    def closing(score, b, h, q_idx, kv_idx):
+        return named(score, b, h, q_idx, kv_idx, shift)
+
+    def call(q, k, v, mod, implementation=implementation):
+        return keras_mha.attention(
+            q, k, v, score_mod=mod, use_causal_mask=True, implementation=implementation,
+            chunk_size=4,
+        )  # fmt: skip
+
+    expected = to_numpy(call(q, k, v, sm.ScoreMod(named, (shift,)), "explicit"))
+    assert np.abs(expected - to_numpy(call(q, k, v, None, "explicit"))).max() > 1e-2
+    np.testing.assert_allclose(to_numpy(call(q, k, v, closing)), expected, atol=ATOL)
+    inputs = [keras.Input(x.shape[1:], batch_size=B) for x in (q, k, v)]
+    outputs = keras.layers.Lambda(lambda xs: call(*xs, closing))(inputs)
+    traced = keras.Model(inputs, outputs).predict_on_batch([q, k, v])
+    np.testing.assert_allclose(to_numpy(traced), expected, atol=ATOL)
+
+
 class _TableAttention(keras.layers.Layer):
     """Self-attention whose learned relative-bias table is this layer's weight, passed
     to our layer per call: what a model with T5-style biases writes."""

@@ -146,11 +146,16 @@ def attention(
         inputs = unpack(args)
         output, logsumexp = _forward(forward_plan, inputs)
 
-        def grad(*upstream_args, upstream=None):
+        def grad(*upstream_args, upstream=None, variables=None):
             if upstream is None:  # TensorFlow and JAX pass it positionally
                 (upstream,) = upstream_args
             grads = _backward(plan, inputs, output, logsumexp, upstream)
-            return tuple(g for g in grads if g is not None)
+            grads = tuple(g for g in grads if g is not None)
+            if variables is None:
+                return grads
+            # TensorFlow names the variables the forward read: those a score function
+            # closes over, which get no gradient here (`ScoreMod(fn, tensors)` gives one).
+            return grads, [None] * len(variables)
 
         return _from_heads(output, value.dtype), grad
 
