@@ -100,15 +100,20 @@ def folding():
     return kernels.policy.overriding(fold_key_padding=("float32",), fused_key_padding=False)
 
 
-def _tensorize(mask):
+def _map_arrays(mask, fn):
+    """`mask` with `fn` applied to each of its NumPy arrays; `None` stays `None`."""
     if mask is None:
         return None
     fields = {
-        f.name: ops.convert_to_tensor(getattr(mask, f.name))
+        f.name: fn(getattr(mask, f.name))
         for f in dataclasses.fields(mask)
         if isinstance(getattr(mask, f.name), np.ndarray)
     }
     return dataclasses.replace(mask, **fields)
+
+
+def _tensorize(mask):
+    return _map_arrays(mask, ops.convert_to_tensor)
 
 
 def _run(kernel, mask, extras=None, **options):
@@ -1230,38 +1235,27 @@ _POLICY_STEPS = {}
 
 
 # ------------------------------------------------------------------------- policy
-def _shifted(mask):
-    """`mask` with each of its arrays rolled by one key or query: the same shapes and
-    dtypes, other data."""
-    fields = {
-        f.name: np.roll(getattr(mask, f.name), 1, axis=-1)
-        for f in dataclasses.fields(mask)
-        if isinstance(getattr(mask, f.name), np.ndarray)
-    }
-    return dataclasses.replace(mask, **fields)
-
-
 def _eager_chunked(monkeypatch, rng, mask, **options):
     """Two eager calls through `kernels.attention` that land on the chunked kernel
-    (key blocks of 4), the same shapes, other data; `(outputs, explicit outputs, how
-    many times the kernel was traced to be compiled)`. Each call reaches
-    `chunked.attention`."""
+    (key blocks of 4), the same shapes, other data, each giving the explicit kernel's
+    output and reaching `chunked.attention`; returns how many times the kernel was
+    traced to be compiled."""
     calls, traces = [], []
     attention, kernel = chunked.attention, chunked._attention
     monkeypatch.setattr(chunked, "attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
     monkeypatch.setattr(chunked, "_attention", lambda *a, **k: traces.append(1) or kernel(*a, **k))
-    got, want = [], []
-    for m in [mask, None if mask is None else _shifted(mask)]:
+    # The second call's mask: each array rolled by one key or query (same shapes).
+    for m in [mask, _map_arrays(mask, lambda x: np.roll(x, 1, axis=-1))]:
         q, k, v = _inputs(rng)
         kwargs = dict(scale=H**-0.5, mask=_tensorize(m), **options)
         with kernels.policy.overriding(key_block=4):
             out, _ = kernels.attention(
                 q, k, v, equations=EQUATIONS, implementation="chunked", chunk_size=4, **kwargs
             )
-        got.append(to_numpy(out))
-        want.append(to_numpy(explicit.attention(q, k, v, equations=EQUATIONS, **kwargs)[0]))
+        expected, _ = explicit.attention(q, k, v, equations=EQUATIONS, **kwargs)
+        np.testing.assert_allclose(to_numpy(out), to_numpy(expected), atol=ATOL)
     assert len(calls) == 2
-    return got, want, len(traces)
+    return len(traces)
 
 
 def _traces_expected():
@@ -1277,9 +1271,7 @@ def test_eager_chunked_calls_compile_once_where_the_policy_says(rng, monkeypatch
     so the mask's tensors are the compiled program's arguments, not constants kept from
     its first call. Where the policy compiles eager chunks (JAX: `compiled.py`), the
     kernel is traced once for both calls; elsewhere each runs as it is."""
-    got, want, traces = _eager_chunked(monkeypatch, rng, MASKS[masking](T, T))
-    for out, expected in zip(got, want):
-        np.testing.assert_allclose(out, expected, atol=ATOL)
+    traces = _eager_chunked(monkeypatch, rng, MASKS[masking](T, T))
     assert traces == _traces_expected()
 
 
@@ -1290,9 +1282,7 @@ def test_eager_chunked_calls_with_a_bias_sinks_and_a_tensor_offset_compile_once(
     )
     bias = ops.convert_to_tensor(rng.standard_normal((B, 1, T, T)).astype("float32"))
     sinks = ops.convert_to_tensor(rng.standard_normal((N,)).astype("float32"))
-    got, want, traces = _eager_chunked(monkeypatch, rng, mask, bias=bias, sinks=sinks, soft_cap=5.0)
-    for out, expected in zip(got, want):
-        np.testing.assert_allclose(out, expected, atol=ATOL)
+    traces = _eager_chunked(monkeypatch, rng, mask, bias=bias, sinks=sinks, soft_cap=5.0)
     assert traces == _traces_expected()
 
 
@@ -1305,9 +1295,7 @@ def test_eager_chunked_calls_with_a_block_mask_compile_once(rng, monkeypatch):
 
     built = block_mask.create_block_mask(global_sliding, None, None, T, T, 3)
     mask = masks.AttentionMask(block_mask=built, key_valid=_padding(T, 9))
-    got, want, traces = _eager_chunked(monkeypatch, rng, mask)
-    for out, expected in zip(got, want):
-        np.testing.assert_allclose(out, expected, atol=ATOL)
+    traces = _eager_chunked(monkeypatch, rng, mask)
     assert traces == _traces_expected()
 
 
