@@ -5,7 +5,8 @@ The models are `run.py`'s `SMALL` (its `_small_model` and `_small_data`), ours b
 the built-in would be, with the same weights. Per backend, for `model(x)` (predict) and for
 a step that takes the gradients of the mean cross-entropy (train):
 - tensorflow: the nodes of the `tf.function`'s concrete graph and its function library;
-- jax: the instructions of the optimized XLA program's entry computation;
+- jax: the instructions of the optimized XLA program's entry computation (a `dot` there
+  is one that XLA's CPU backend runs in its Eigen dot, outside any YNNPACK fusion);
 - torch: the aten ops dispatched (`TorchDispatchMode`), forward without gradients, then
   forward and backward.
 
@@ -106,8 +107,9 @@ def worker(types):
 
     backend = keras.backend.backend()
     print(f"\n{backend}: ops per call, ours / built-in\n")
-    print("| model | predict | train |" + (" predict: the kinds that differ |" if types else ""))
-    print("|---|---|---|" + ("---|" if types else ""))
+    kinds = " predict: the kinds that differ | train: the kinds that differ |"
+    print("| model | predict | train |" + (kinds if types else ""))
+    print("|---|---|---|" + ("---|---|" if types else ""))
     for name, config in bench.SMALL.items():
         tokens, labels = bench._small_data(config)
         ours, builtin = (
@@ -118,6 +120,7 @@ def worker(types):
         row += f"{ours[1].total()} / {builtin[1].total()} |"
         if types:
             row += f" {', '.join(_differences(ours[0], builtin[0]))} |"
+            row += f" {', '.join(_differences(ours[1], builtin[1]))} |"
         print(row, flush=True)
 
 

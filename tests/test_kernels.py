@@ -797,6 +797,55 @@ def test_explicit_kernel_as_one_einsum_op_each_is_the_same_attention(rng):
         assert "Einsum" not in op_types(False) and "Transpose" in op_types(False)
 
 
+def test_explicit_products_with_a_unit_axis_are_the_same_attention(rng):
+    """`unit_axis` (JAX's CPU policy for small calls) gives the same output and
+    gradients as the plain products, a padded row included, and copies no scores from
+    another layout. On JAX the point of it: compiled for the CPU, every product of the
+    backward runs in YNNPACK, where without the axis the key's or the value's
+    gradient takes XLA's Eigen dot (a `dot` outside any YNNPACK fusion)."""
+    t, s = 5, 7
+    q, k, v = _inputs(rng, t, s)
+    mask = MASKS["causal+padding"](t, s)
+
+    def run(unit_axis, masked=True):
+        def fn(q, k, v):
+            kwargs = dict(scale=0.5, equations=EQUATIONS, unit_axis=unit_axis)
+            kwargs["mask"] = _tensorize(mask) if masked else None
+            return explicit.attention(q, k, v, **kwargs)[0]
+
+        return fn
+
+    expected, expected_grads = value_and_grads(run(False), (q, k, v))
+    got, grads = value_and_grads(run(True), (q, k, v))
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    for g, e in zip(grads, expected_grads):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    scores = {(B, N, t, s), (B, N, s, t)}
+    assert _layout_copies(run(True, masked=False), (q, k, v), scores) == []
+    if BACKEND == "jax":
+        assert _eigen_dots(run(True, masked=False)) == 0
+        assert _eigen_dots(run(False, masked=False)) > 0  # what the axis is for
+
+
+def _eigen_dots(fn):
+    """The `dot`s outside YNNPACK fusions in JAX's CPU program for the gradients of
+    `fn`'s sum, over `(B, 12, N, 32)` inputs (a small model's)."""
+    import re
+
+    import jax
+
+    x = jax.numpy.ones((B, 12, N, 32))
+    grad = jax.jit(jax.grad(lambda *a: jax.numpy.sum(fn(*a)), argnums=(0, 1, 2)))
+    text = grad.lower(x, x, x).compile().as_text()
+    ynn = set(re.findall(r"calls=%([\w.\-]+)[^\n]*__ynn_fusion", text))
+    computation, dots = None, 0
+    for line in text.splitlines():
+        name = re.match(r"^(?:ENTRY )?%([\w.\-]+) ", line)
+        computation = name.group(1) if name else computation
+        dots += " dot(" in line and computation not in ynn
+    return dots
+
+
 def test_policy_looks_for_a_cut_where_it_can_pay():
     rules = kernels.policy.Policy("fused", cut_from=100)
     looks = kernels.policy.looks_for_cut

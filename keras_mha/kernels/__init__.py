@@ -143,6 +143,7 @@ def attention(
             seed=seed if dropping else None,
             empty_rows=empty_rows,
             one_op_einsum=policy.one_op_einsum(call, rules),
+            unit_axis=rules.unit_axis_products,
         )
     if kernel == "fused":
         output = fused.attention(

@@ -27,6 +27,7 @@ def attention(
     seed=None,
     empty_rows="zero",
     one_op_einsum=False,
+    unit_axis=False,
 ):
     """Attention with the full scores; returns `(output, scores)`.
 
@@ -50,6 +51,8 @@ def attention(
             uniform ones ("mean", without sinks).
         one_op_einsum: the two products run as one backend einsum op each
             (`policy.one_op_einsum`), not as Keras's `ops.einsum` writes them.
+        unit_axis: the rank-4 layer's two products carry a unit axis beside the
+            heads (`Policy.unit_axis_products`).
 
     Returns:
         output `(B, ..., N, Hv)` and scores `(<batch dims>, <T dims>, <S dims>)` (the
@@ -60,7 +63,12 @@ def attention(
     query = ops.multiply(query, ops.cast(scale, query.dtype))
     if backend.standardize_dtype(query.dtype) == "float16":  # logits could overflow
         query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
-    x = ops.cast(einsum(*_query_first(dot_product, key, query)), "float32")
+    unit_axis = unit_axis and tuple(equations[:2]) == RANK4_EQUATIONS
+    if unit_axis:
+        x = ops.squeeze(ops.einsum(_UNIT_AXIS_SCORES, ops.expand_dims(query, 3), key), 3)
+    else:
+        x = einsum(*_query_first(dot_product, key, query))
+    x = ops.cast(x, "float32")
     if soft_cap is not None:
         x, _ = logits_lib.soft_cap(x, soft_cap)
     if bias is not None:
@@ -84,8 +92,26 @@ def attention(
         cols = ops.arange(shape[-1], dtype="int32")
         keep = logits_lib.dropout_keep(seed, rows, cols, dropout)
         weights = ops.where(keep, weights / (1.0 - dropout), 0.0)
-    output = einsum(combine, ops.cast(weights, value.dtype), value)
+    weights = ops.cast(weights, value.dtype)
+    if unit_axis:
+        output = ops.squeeze(ops.einsum(_UNIT_AXIS_COMBINE, weights, ops.expand_dims(value, 3)), 3)
+    else:
+        output = einsum(combine, weights, value)
     return output, scores
+
+
+# The rank-4 layer's products (`equations.attention_equations(4, (1,))`), and the same
+# products with a unit axis `g` beside the query's and the value's heads: `(B, T, N, 1,
+# H)` queries give `(B, N, T, 1, S)` logits (the product's own order: no transpose of the
+# scores), `(B, S, N, 1, Hv)` values `(B, T, N, 1, Hv)` outputs, each squeezed back. As
+# `jax.nn.dot_product_attention`'s grouped products (its heads per key-value head) do,
+# this leads XLA:CPU to run both products of each product's backward in YNNPACK; without
+# the axis, the key's or the value's gradient (a contraction over the queries, not the
+# last axis of the logits) falls to its Eigen dot, which costs more per call
+# (benchmarks/results/jax_unit_axis.md).
+RANK4_EQUATIONS = ("aecd,abcd->acbe", "acbe,aecd->abcd")
+_UNIT_AXIS_SCORES = "abcgd,aecd->acbge"
+_UNIT_AXIS_COMBINE = "acbe,aecgd->abcgd"
 
 
 def _query_first(equation, key, query):

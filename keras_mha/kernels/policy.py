@@ -146,6 +146,10 @@ class Policy:
             compiled program per configuration (`compiled.py`). JAX's compiled loop
             traces and compiles its body again on every eager call
             (benchmarks/results/jax_eager_chunk_loop.md).
+        unit_axis_products: the explicit kernel's rank-4 products carry a unit axis
+            beside the heads, so that XLA:CPU runs all four products of their
+            backward in YNNPACK, not two of them in its slower Eigen dot
+            (`explicit.RANK4_EQUATIONS`; benchmarks/results/jax_unit_axis.md).
     """
 
     kernel: str
@@ -171,6 +175,7 @@ class Policy:
     skip_zero_gradient_chunks: bool = False
     remat_norms: bool = False
     compile_eager_chunks: bool = False
+    unit_axis_products: bool = False
     cut_from: int = 0
 
 
@@ -199,6 +204,7 @@ POLICIES = {
         sizes_from_data=False,
         remat_norms=True,
         compile_eager_chunks=True,
+        unit_axis_products=True,
     ),
     ("jax", "gpu"): Policy(
         "fused",
