@@ -766,6 +766,15 @@ def test_explicit_scores_come_out_in_their_layout(rng):
     assert _layout_copies(run, (q, k, v), scores) == []
 
 
+def _assert_variants_agree(run, arrays):
+    """`run(True)` gives `run(False)`'s output and gradients."""
+    expected, expected_grads = value_and_grads(run(False), arrays)
+    got, grads = value_and_grads(run(True), arrays)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    for g, e in zip(grads, expected_grads):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
 def test_explicit_kernel_as_one_einsum_op_each_is_the_same_attention(rng):
     """`one_op_einsum` (the policy's small calls) gives the same output and gradients
     as Keras's `ops.einsum`, padded rows included; on TensorFlow each product is then
@@ -780,11 +789,7 @@ def test_explicit_kernel_as_one_einsum_op_each_is_the_same_attention(rng):
 
         return fn
 
-    expected, expected_grads = value_and_grads(run(False), (q, k, v))
-    got, grads = value_and_grads(run(True), (q, k, v))
-    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
-    for g, e in zip(grads, expected_grads):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    _assert_variants_agree(run, (q, k, v))
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
@@ -815,11 +820,7 @@ def test_explicit_products_with_a_unit_axis_are_the_same_attention(rng):
 
         return fn
 
-    expected, expected_grads = value_and_grads(run(False), (q, k, v))
-    got, grads = value_and_grads(run(True), (q, k, v))
-    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
-    for g, e in zip(grads, expected_grads):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    _assert_variants_agree(run, (q, k, v))
     scores = {(B, N, t, s), (B, N, s, t)}
     assert _layout_copies(run(True, masked=False), (q, k, v), scores) == []
     if BACKEND == "jax":
