@@ -8,6 +8,7 @@ import math
 
 from keras import backend, ops
 
+from keras_mha import equations as equations_lib
 from keras_mha.kernels import logits as logits_lib
 
 
@@ -63,7 +64,7 @@ def attention(
     query = ops.multiply(query, ops.cast(scale, query.dtype))
     if backend.standardize_dtype(query.dtype) == "float16":  # logits could overflow
         query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
-    unit_axis = unit_axis and tuple(equations[:2]) == RANK4_EQUATIONS
+    unit_axis = unit_axis and tuple(equations[:2]) == RANK4_EQUATIONS  # not a subclass's
     if unit_axis:
         x = ops.squeeze(ops.einsum(_UNIT_AXIS_SCORES, ops.expand_dims(query, 3), key), 3)
     else:
@@ -100,7 +101,7 @@ def attention(
     return output, scores
 
 
-# The rank-4 layer's products (`equations.attention_equations(4, (1,))`), and the same
+# The rank-4 layer's products, and the same
 # products with a unit axis `g` beside the query's and the value's heads: `(B, T, N, 1,
 # H)` queries give `(B, N, T, 1, S)` logits (the product's own order: no transpose of the
 # scores), `(B, S, N, 1, Hv)` values `(B, T, N, 1, Hv)` outputs, each squeezed back. As
@@ -109,7 +110,7 @@ def attention(
 # the axis, the key's or the value's gradient (a contraction over the queries, not the
 # last axis of the logits) falls to its Eigen dot, which costs more per call
 # (benchmarks/results/jax_unit_axis.md).
-RANK4_EQUATIONS = ("aecd,abcd->acbe", "acbe,aecd->abcd")
+RANK4_EQUATIONS = equations_lib.attention_equations(4, (1,))[:2]
 _UNIT_AXIS_SCORES = "abcgd,aecd->acbge"
 _UNIT_AXIS_COMBINE = "acbe,aecgd->abcgd"
 

@@ -148,7 +148,7 @@ class Policy:
             (benchmarks/results/jax_eager_chunk_loop.md).
         unit_axis_products: the explicit kernel's rank-4 products carry a unit axis
             beside the heads, so that XLA:CPU runs all four products of their
-            backward in YNNPACK, not two of them in its slower Eigen dot
+            backward in YNNPACK, not one or two of them in its slower Eigen dot
             (`explicit.RANK4_EQUATIONS`; benchmarks/results/jax_unit_axis.md).
     """
 
