@@ -21,7 +21,9 @@ per process), through `predict_on_batch` / `train_on_batch` of a functional mode
   (B=4, T=12; a `TransformerBlock`, then a causal attention), and one attention layer
   at B=4, T=12 and B=16, T=32, padded, padded + causal and unmasked (`Small`). Ours is
   built where the built-in would be (`keras_mha.swapped()`, as `keras-mha swap` builds
-  it), with the built-in's weights.
+  it), with the built-in's weights. Two controls time the built-in against a second
+  built-in with the same weights (the classifier, and B=16 T=32 padded): the spread a
+  ratio of 1.00x has on the machine of the run.
 
 Peak RSS is what the process holds, allocator included: glibc keeps freed buffers of
 up to 32 MiB for reuse (faster than mapping fresh pages), so a kernel that works in
@@ -84,12 +86,14 @@ class Small:
     a dense head. `kind`: "padded" (the Embedding's Keras mask), "padded+causal"
     (also `use_causal_mask=True`), "unmasked", or "classifier": keras.io's text
     classifier, a `TransformerBlock` holding the attention, then
-    `x + attention(x, x, use_causal_mask=True)`, padded."""
+    `x + attention(x, x, use_causal_mask=True)`, padded. `control`: the built-in in
+    place of ours too, so the ratio is the built-in against itself."""
 
     name: str
     batch: int
     length: int
     kind: str
+    control: bool = False
 
 
 SMALL_DIM, SMALL_HEADS, SMALL_VOCAB = 32, 2, 1000
@@ -100,6 +104,13 @@ SMALL = {
         Small(f"B={b} T={t} {kind}", b, t, kind)
         for b, t in ((4, 12), (16, 32))
         for kind in ("padded", "padded+causal", "unmasked")
+    ]
+    + [
+        Small(f"control: {name}, built-in / built-in", b, t, kind, control=True)
+        for name, b, t, kind in (
+            ("classifier B=4 T=12", 4, 12, "classifier"),
+            ("B=16 T=32 padded", 16, 32, "padded"),
+        )
     ]
 }
 
@@ -307,9 +318,10 @@ def small_worker(name, pairs):
     import keras_mha
 
     config = SMALL[name]
-    ours, builtin = _small_model(config, ours=True), _small_model(config, ours=False)
+    ours = _small_model(config, ours=not config.control)
+    builtin = _small_model(config, ours=False)
     swapped = [x for x in ours._flatten_layers() if isinstance(x, keras_mha.MultiHeadAttention)]
-    if len(swapped) != (2 if config.kind == "classifier" else 1):
+    if len(swapped) != (0 if config.control else 2 if config.kind == "classifier" else 1):
         raise RuntimeError(f"{name}: ours is not where the built-in would be")
     builtin.set_weights(ours.get_weights())
     tokens, labels = _small_data(config)
@@ -471,7 +483,9 @@ def small_markdown(records, args):
         f"{args.small_pairs} alternated rounds, then the first and third quartiles of "
         f"the per-round ratios. Dim {SMALL_DIM}, {SMALL_HEADS} heads, token ids padded "
         f"at the tails (lengths T/2 to T, one row whole) under `Embedding(mask_zero=True)`; "
-        f'ours built by `keras_mha.swapped()` (`fully_masked_rows="builtin"`).',
+        f'ours built by `keras_mha.swapped()` (`fully_masked_rows="builtin"`). In the '
+        f"control rows both models are the built-in, with the same weights: their ratios "
+        f"are the timing's own spread on this machine.",
         "",
         "| backend | model | predict ours ms | built-in | ratio | train ours ms | built-in "
         "| ratio |",
