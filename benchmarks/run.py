@@ -105,13 +105,20 @@ SMALL = {
         for b, t in ((4, 12), (16, 32))
         for kind in ("padded", "padded+causal", "unmasked")
     ]
-    + [
-        Small(f"control: {name}, built-in / built-in", b, t, kind, control=True)
-        for name, b, t, kind in (
-            ("classifier B=4 T=12", 4, 12, "classifier"),
-            ("B=16 T=32 padded", 16, 32, "padded"),
+}
+# The section's rows: the models, then two controls (the built-in against itself),
+# which only `small_worker` times (`small_ops.py` and `jax_train_step.py` read `SMALL`).
+SMALL_ROWS = {
+    **SMALL,
+    **{
+        c.name: c
+        for c in (
+            dataclasses.replace(
+                SMALL[name], name=f"control: {name}, built-in / built-in", control=True
+            )
+            for name in ("classifier B=4 T=12", "B=16 T=32 padded")
         )
-    ]
+    },
 }
 
 
@@ -317,7 +324,7 @@ def small_worker(name, pairs):
     `pairs` alternated rounds of `predict_on_batch` and `train_on_batch`."""
     import keras_mha
 
-    config = SMALL[name]
+    config = SMALL_ROWS[name]
     ours = _small_model(config, ours=not config.control)
     builtin = _small_model(config, ours=False)
     swapped = [x for x in ours._flatten_layers() if isinstance(x, keras_mha.MultiHeadAttention)]
@@ -461,7 +468,7 @@ def run_small(backend, args):
     record = {"backend": backend, "started": now.strftime("%Y-%m-%d %H:%M UTC")}
     record["load"] = os.getloadavg()[0]  # the machine is shared: how busy it was
     record["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
-    for name in SMALL:
+    for name in SMALL_ROWS:
         print(f"[{backend}] small {name} ...", flush=True)
         worker = ["--worker", "small", "--config", name, "--pairs", str(args.small_pairs)]
         record[name] = _spawn(backend, worker)
@@ -492,7 +499,7 @@ def small_markdown(records, args):
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        for name in SMALL:
+        for name in SMALL_ROWS:
             p, t = r[name]["predict"], r[name]["train"]
             lines.append(
                 f"| {r['backend']} | {name} | {p['ours_ms']:.2f} | {p['builtin_ms']:.2f} "
